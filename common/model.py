@@ -1,0 +1,352 @@
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3, read from and written to Hugging Face folders.
+
+    model = Transformer.from_pretrained("smollm2")          # or any HF folder: config.json + safetensors
+    logits = model(input_ids)                               # [B, T, vocab]
+    hidden = model(input_ids, return_hidden=True)           # [B, T, d], final norm applied, no LM head
+    model.save_pretrained("out/")                           # loads in `transformers` and here
+
+The three architectures differ only in switches read from config.json:
+    Llama  (SmolLM2, Llama-3.x)  optional llama3 rope scaling, optional attention/MLP biases
+    Qwen2  (Qwen2.5, -Math)      bias on q/k/v projections
+    Qwen3                        per-head RMSNorm on q and k, explicit head_dim
+Anything else (another model_type, another rope scaling) is refused rather than run wrong.
+
+Incremental decoding: pass a `KVCache` and `start`, the cache column where these tokens go. Rows may be
+left-padded: `attention_mask` [B, start + T] marks real tokens, and positions come from it, so a padded row
+computes exactly what the sequence alone would.
+"""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # sdpa(enable_gqa=) exists
+
+
+class ModelError(ValueError):
+    """A model folder or config that we cannot run; the message is one line meant for the user."""
+
+
+@dataclass
+class ModelConfig:
+    model_type: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads means grouped-query attention
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama when attention_bias
+    o_bias: bool = False  # Llama attention_bias also puts a bias on o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    max_position_embeddings: int = 4096
+    extra: dict = field(default_factory=dict)  # fields we keep only to write them back (token ids, ...)
+
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        mt = d.get("model_type")
+        if mt not in ARCHITECTURES:
+            raise ModelError(f"{source}: model_type {mt!r} is not supported; expected one of {', '.join(ARCHITECTURES)}")
+
+        def need(key):
+            if key not in d:
+                raise ModelError(f"{source}: missing field {key!r} (required for model_type {mt!r})")
+            return d[key]
+
+        if d.get("use_sliding_window"):
+            raise ModelError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+        # transformers >= 5 writes rope settings into rope_parameters; older versions use rope_theta/rope_scaling
+        rope = dict(d.get("rope_parameters") or {})
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or rope
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if rope_type not in ("default", "llama3"):
+            raise ModelError(f"{source}: rope scaling type {rope_type!r} is not supported; expected default or llama3")
+        if rope_type == "llama3":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            missing = [k for k in keys if k not in scaling]
+            if missing:
+                raise ModelError(f"{source}: llama3 rope scaling is missing {', '.join(missing)}")
+            scaling = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            model_type=mt, vocab_size=need("vocab_size"), hidden_size=hidden,
+            intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=scaling if rope_type == "llama3" else None,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=(mt == "qwen2") or attention_bias, o_bias=(mt == "llama") and attention_bias,
+            mlp_bias=(mt == "llama") and bool(d.get("mlp_bias", False)), qk_norm=(mt == "qwen3"),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            extra={k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in d},
+        )
+
+    def to_hf(self, dtype: torch.dtype) -> dict:
+        d = {
+            "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "torch_dtype": str(dtype).removeprefix("torch."), **self.extra,
+        }
+        if self.model_type == "llama":
+            d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "qwen3":
+            d["attention_bias"] = self.qkv_bias
+        if self.rope_scaling:  # transformers >= 5 reads rope settings from here
+            d["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope_scaling}
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s:  # Llama 3.1: slow down low frequencies by `factor`, keep high ones, interpolate in between
+        wavelen = 2 * math.pi / inv_freq
+        ctx = s["original_max_position_embeddings"]
+        smooth = ((ctx / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+    return inv_freq.float()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, D]; cos/sin [B, 1, T, D]. Rotates the two halves of each head (the HF convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# --------------------------------------------------------------------------------------------- blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()  # normalise in fp32 as the reference does, then cast back before the scale
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated: k, v [layers, B, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def select(self, rows: torch.Tensor):
+        """Keep (or repeat) batch rows: rows [B'] indexes the current batch. Used to share a prompt's
+        prefill among its samples and to drop finished rows."""
+        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+        return self
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(d, h * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, layer, start):
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, -1, hd)
+        k = self.k_proj(x).view(B, T, -1, hd)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:  # write in place, then attend over the filled part only
+            cache.k[layer, :, :, start:start + T] = k
+            cache.v[layer, :, :, start:start + T] = v
+            k, v = cache.k[layer, :, :, :start + T], cache.v[layer, :, :, :start + T]
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        if groups > 1 and not _GQA_KWARG:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        gqa = {"enable_gqa": groups > 1} if _GQA_KWARG else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f, bias=b), nn.Linear(d, f, bias=b), nn.Linear(f, d, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, start=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------- transformer
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(cfg)  # a plain tensor, not a buffer: never saved, never on meta
+        self.gradient_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more time
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(self.cfg, batch, max_len, device=p.device, dtype=p.dtype)
+
+    def forward(self, input_ids, *, attention_mask=None, positions=None, cache=None, start=0, return_hidden=False):
+        """input_ids [B, T] -> logits [B, T, vocab] (or final hidden states [B, T, d]).
+
+        attention_mask: [B, start + T] bool/int, 1 on real tokens (left padding is 0). Without a cache and
+          without padding, leave it None: attention is plain causal.
+        positions: [B, T] rope positions; by default counted over real tokens only (so padding shifts nothing).
+        cache, start: a KVCache; these T tokens are written at columns start..start+T-1 and attend to all
+          filled columns before them.
+        """
+        B, T = input_ids.shape
+        dev = input_ids.device
+        mask = None
+        if attention_mask is not None:
+            valid = attention_mask.bool()
+            if positions is None:
+                positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            cols = torch.arange(start + T, device=dev)
+            causal = cols[None, :] <= (start + torch.arange(T, device=dev))[:, None]  # [T, S]
+            # a padding query may see nothing else; letting it see itself keeps softmax finite (its output is unused)
+            mask = (causal[None] & valid[:, None, :]) | (cols[None, None, :] == start + torch.arange(T, device=dev)[None, :, None])
+            mask = mask[:, None]  # [B, 1, T, S]
+        elif cache is not None:
+            mask = (torch.arange(start + T, device=dev)[None, :] <= (start + torch.arange(T, device=dev))[:, None])[None, None]
+            if T == 1:
+                mask = None  # one new token sees the whole filled cache: no mask needed
+        if positions is None:
+            positions = torch.arange(start, start + T, device=dev)[None].expand(B, T)
+        if self.inv_freq.device != dev:
+            self.inv_freq = self.inv_freq.to(dev)
+        angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
+        x = self.embed_tokens(input_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache, i, start)
+        x = self.norm(x)
+        return x if return_hidden else self.lm_head(x)
+
+    # ------------------------------------------------------------------------------------------ I/O
+
+    @classmethod
+    def from_pretrained(cls, path, device=None, dtype=None) -> "Transformer":
+        """Read a Hugging Face folder (config.json + model.safetensors or a sharded index). dtype defaults
+        to float32. Weights go straight into place: the model is built on the meta device, never random-initialised."""
+        from common.hub import resolve_model_dir
+        from safetensors.torch import load_file
+
+        folder = resolve_model_dir(path)
+        cfg = ModelConfig.from_hf(_read_json(folder / "config.json"), str(folder / "config.json"))
+        dtype = dtype or torch.float32
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = {}
+        for f in _weight_files(folder):
+            for name, t in load_file(str(f), device=str(device or "cpu")).items():
+                state[name.removeprefix("model.")] = t.to(dtype)
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+        missing = sorted(expected - set(state))
+        if missing:
+            raise ModelError(f"{folder}: weights are missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
+        if unexpected:
+            raise ModelError(f"{folder}: unexpected tensor {unexpected[0]!r} for model_type {cfg.model_type!r}")
+        model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.to(device) if device else model
+
+    def save_pretrained(self, path):
+        """Write config.json + model.safetensors in Hugging Face names (a tied LM head is not written twice)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for name, t in self.state_dict().items():
+            if name == "lm_head.weight":
+                if self.cfg.tie_word_embeddings:
+                    continue
+                state[name] = t
+            else:
+                state["model." + name] = t
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        dtype = self.embed_tokens.weight.dtype
+        (path / "config.json").write_text(json.dumps(self.cfg.to_hf(dtype), indent=2))
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelError(f"{path}: not found (a model folder needs config.json and safetensors weights)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / f for f in sorted(set(_read_json(index)["weight_map"].values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelError(f"{folder}: no model.safetensors or model.safetensors.index.json")
