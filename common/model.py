@@ -194,7 +194,7 @@ class Attention(nn.Module):
         if groups > 1 and not _GQA_KWARG:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         gqa = {"enable_gqa": groups > 1} if _GQA_KWARG else {}
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -1,0 +1,42 @@
+"""Shared test helpers: tiny random models of each architecture, saved by `transformers`."""
+import pytest
+import torch
+
+# One tiny config per architectural switch we support.
+TINY = {
+    "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama-tied": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0, vocab_size: int = 256):
+    """A randomly initialised `transformers` model; every weight (norms included) drawn at random."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY[kind])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-6, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(params=list(TINY))
+def hf_tiny(request, tmp_path):
+    """(kind, transformers model, folder it was saved to)."""
+    model = make_hf_model(request.param)
+    folder = tmp_path / request.param
+    model.save_pretrained(folder)
+    return request.param, model, folder
