@@ -24,6 +24,7 @@ MAX_NUM = 64  # longest string parsed as a number: keeps Fraction() and float() 
 REL_TOL = 1e-6  # tolerance for numbers that are not both integers (0.333333 vs 1/3)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
+_TOKEN = re.compile(r"[^\s$]+")  # the argument of `\boxed 5`
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 _WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname)\s*\{([^{}]*)\}")
 _SPACING = re.compile(r"\\[,!;: ]|\\q?quad(?![a-zA-Z])|~")
@@ -69,7 +70,7 @@ def _last_boxed(s: str) -> str | None:
             if j in pairs:
                 return s[j + 1 : pairs[j]]
             continue  # unbalanced (e.g. a truncated completion): try the previous box
-        token = re.match(r"[^\s$]+", s[j:])  # `\boxed 5` form
+        token = _TOKEN.match(s, j)  # `\boxed 5` form
         if token:
             return token.group(0)
     return None
