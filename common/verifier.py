@@ -79,7 +79,7 @@ def _last_boxed(s: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The final answer written in `text` (a model completion or a worked solution), or None."""
     try:
-        s = text[-TAIL:]
+        s = text[-TAIL:].replace("\u2212", "-")  # U+2212 minus sign, as some models write it
         boxed = _last_boxed(s)
         if boxed is not None:
             return boxed
@@ -96,7 +96,7 @@ def extract_answer(text: str) -> str | None:
 
 def normalize(s: str) -> str:
     """A canonical text form of an answer; two answers that print the same are equal."""
-    s = s[:TAIL].strip()
+    s = s[:TAIL].replace("\u2212", "-").strip()
     s = _WRAPPER.sub(r"\1", s)  # \text{ cm} -> " cm": keep the content, units go below
     s = re.sub(r"\\[dt]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\(?:left|right|displaystyle|big|Big)(?![a-zA-Z])", "", s)

@@ -67,7 +67,7 @@ def test_extract_answer(text, expected):
     ("3\\,000", "3000"), ("a\\;b\\quad c~d", "abcd"),  # LaTeX spacing
     ("\\$18.90", "18.9"), ("$5$", "5"),  # dollar signs
     ("x = 5", "5"), ("x \\in [-2,7]", "[-2,7]"), ("y = 2x + 3", "2x+3"), ("x=y=1", "x=y=1"),  # assignments
-    ("5.", "5"),  # trailing period
+    ("5.", "5"), ("\u22125", "-5"),  # trailing period, U+2212 minus
     ("\\sqrt2", "\\sqrt{2}"), ("\\sqrt x", "\\sqrt{x}"),  # \sqrt shorthand
     ("4210_{5}", "4210_5"), ("{5}", "5"), ("\\text{(C)}", "C"),
 ])
