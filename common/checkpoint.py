@@ -1,0 +1,67 @@
+"""Checkpoints: a Hugging Face folder (loads in `transformers` and as our --model) plus trainer state.
+
+    runs/<name>/checkpoint/   config.json  model.safetensors  tokenizer.json ...  trainer.pt
+
+trainer.pt holds the step, the optimizer, the RNG states and whatever algorithm state the script passes.
+Writing is atomic: everything goes to a fresh temporary folder which then replaces the old checkpoint by
+renames, so a crash at any moment leaves either the old or the new checkpoint whole.
+"""
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def save(ckpt_dir, model, optimizer, step: int, model_source=None, extra: dict | None = None):
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=ckpt_dir.parent, prefix=ckpt_dir.name + ".tmp-"))
+    model.save_pretrained(tmp)
+    if model_source is not None:  # so that the folder is a complete model for `--model`
+        for name in TOKENIZER_FILES:
+            if (Path(model_source) / name).is_file():
+                shutil.copy(Path(model_source) / name, tmp / name)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}},
+               tmp / "trainer.pt")
+    old = ckpt_dir.with_name(ckpt_dir.name + ".old")
+    if ckpt_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        ckpt_dir.rename(old)
+    tmp.rename(ckpt_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find(ckpt_dir) -> Path | None:
+    """The newest complete checkpoint: the folder itself, or the previous one if a save was interrupted."""
+    ckpt_dir = Path(ckpt_dir)
+    for d in (ckpt_dir, ckpt_dir.with_name(ckpt_dir.name + ".old")):
+        if (d / "trainer.pt").is_file() and (d / "model.safetensors").is_file():
+            return d
+    return None
+
+
+def load_trainer_state(ckpt: Path, optimizer) -> dict:
+    state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    return state
+
+
+def rng_state() -> dict:
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict):
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])

@@ -1,0 +1,67 @@
+"""The small argument parser: a dataclass is the config, its fields are the command line.
+
+    @dataclass
+    class Config:
+        group_size: int = 8  # completions per prompt
+    cfg = parse(Config)            # python grpo.py --group-size 16
+
+The comment after each field is its --help text. Booleans take --flag / --no-flag. A `choices` dict on the
+dataclass restricts string fields. Errors are one line and exit 2; see `main_guard`.
+"""
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+
+
+class ConfigError(ValueError):
+    """An impossible option; the message names the option and what was expected."""
+
+
+def _field_comments(cls) -> dict:
+    src = inspect.getsource(cls)
+    return dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.*)$", src, re.M))
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def parse(cls, argv=None):
+    """Build a command line from the dataclass `cls` and return an instance filled from `argv`."""
+    helps = _field_comments(cls)
+    choices = getattr(cls, "choices", {})
+    p = _OneLineParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n")[0])
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(default=f.default, help=helps.get(f.name, ""), dest=f.name)
+        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), str)
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            p.add_argument(flag, type=typ, choices=choices.get(f.name), metavar=f.name.upper(), **kw)
+    return cls(**vars(p.parse_args(argv)))
+
+
+def check(condition: bool, option: str, expected: str):
+    """Refuse an impossible option value with a one-line message naming it."""
+    if not condition:
+        raise ConfigError(f"--{option.replace('_', '-')}: expected {expected}")
+
+
+def main_guard(main):
+    """Run `main()`; a user mistake (bad option, path, data line, model folder) prints one line and exits 2."""
+    from common.model import ModelError
+    from common.tasks import DataError
+
+    try:
+        return main()
+    except (ConfigError, ModelError, DataError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: the last checkpoint is intact; rerun with --resume to continue\n")
+        sys.exit(130)

@@ -1,0 +1,89 @@
+"""Evaluation: greedy accuracy, pass@k (unbiased) and majority@k over sampled completions.
+
+    python -m common.evaluate --model smollm2 --data gsm8k --split test --limit 200 --samples 8
+    python -m common.evaluate --model runs/grpo/checkpoint --data ../shared/data/math500/test.jsonl --split all
+
+Under torchrun every rank scores its share of the problems and the counts are summed.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import dist
+from common.passk import maj_at_k_correct, pass_at_k
+from common.sampler import generate
+from common.tasks import format_question
+from common.verifier import score
+
+
+@torch.no_grad()
+def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=64, seed=0) -> dict:
+    """Greedy accuracy on `problems`; with samples=n > 0 also pass@k for k = 1, 2, 4, ... n and maj@n."""
+    was_training = model.training
+    model.eval()
+    mine = problems[dist.rank()::dist.world()]  # each rank scores a strided share; counts are summed below
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= samples]
+    totals = torch.zeros(2 + len(ks), dtype=torch.float64)  # greedy correct, maj correct, pass@k sums
+    for i in range(0, len(mine), batch):
+        chunk = mine[i:i + batch]
+        prompts = [tok.prompt(format_question(p)) for p in chunk]
+        greedy = generate(model, prompts, n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=tok.stop_ids)
+        totals[0] += sum(score(tok.decode(g[0].tokens, skip_special=True), p.answer) for g, p in zip(greedy, chunk))
+        if samples:
+            sampled = generate(model, prompts, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                               stop_ids=tok.stop_ids, seed=seed + i)
+            for group, p in zip(sampled, chunk):
+                texts = [tok.decode(s.tokens, skip_special=True) for s in group]
+                correct = sum(score(t, p.answer) for t in texts)
+                totals[1] += maj_at_k_correct(texts, p.answer)
+                for j, k in enumerate(ks):
+                    totals[2 + j] += pass_at_k(samples, int(correct), k)
+    totals = dist.all_reduce_sum(totals)
+    n = max(len(problems), 1)
+    out = {"eval/greedy_acc": totals[0].item() / n}
+    if samples:
+        out[f"eval/maj@{samples}"] = totals[1].item() / n
+        out.update({f"eval/pass@{k}": totals[2 + j].item() / n for j, k in enumerate(ks)})
+    model.train(was_training)
+    return out
+
+
+@dataclass
+class Config:
+    model: str = "smollm2"  # a Hugging Face model folder, a checkpoint folder, or smollm2
+    data: str = "arith"  # task name (arith, gsm8k, math500, aime24, amc23) or a .jsonl file
+    split: str = "test"  # test, train, or all (every problem of a single-split file)
+    limit: int = 0  # evaluate only the first N problems (0 = all)
+    samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
+    temperature: float = 1.0  # sampling temperature for pass@k / maj@k
+    max_new_tokens: int = 256  # generation budget per completion
+    batch: int = 64  # problems per generation call
+    seed: int = 0  # seeds the arith task and the sampler
+    device: str = "auto"  # auto, cpu or cuda
+
+
+def main():
+    from common.config import check, parse
+    from common.model import Transformer
+    from common.tasks import load_task
+    from common.tokenizer import Tokenizer
+
+    cfg = parse(Config)
+    check(cfg.limit >= 0 and cfg.samples >= 0 and cfg.batch > 0, "limit/samples/batch", "non-negative numbers, batch > 0")
+    problems = load_task(cfg.data, cfg.split, n=cfg.limit or None, seed=cfg.seed)
+    problems = problems[: cfg.limit] if cfg.limit else problems
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype)
+    tok = Tokenizer.from_pretrained(cfg.model)
+    t0 = time.time()
+    res = evaluate(model, tok, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens, cfg.batch, cfg.seed)
+    print(f"{cfg.model} on {cfg.data}/{cfg.split} ({len(problems)} problems, {time.time() - t0:.0f}s): "
+          + "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in res.items()))
+
+
+if __name__ == "__main__":
+    from common.config import main_guard
+
+    main_guard(main)
