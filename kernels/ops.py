@@ -21,7 +21,12 @@ CHUNK_ELEMENTS = 2 ** 25
 
 
 def use_triton(tensor):
-    return triton_kernels is not None and (tensor.is_cuda or os.environ.get("FORCE_TRITON") == "1")
+    if triton_kernels is None or not (tensor.is_cuda or os.environ.get("FORCE_TRITON") == "1"):
+        return False
+    if not tensor.is_cuda and not triton_kernels.INTERPRETED:
+        raise RuntimeError("kernels: FORCE_TRITON=1 on CPU tensors needs TRITON_INTERPRET=1, "
+                           "set before triton is first imported")
+    return True
 
 
 def _flat(tensor, *shape):

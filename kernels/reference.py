@@ -14,7 +14,10 @@ def logprobs_entropy(logits, targets, temperature=1.0):
     logits [..., V] (any float dtype), targets [...] long. Returns fp32 (logp, entropy) [...].
     Math runs in fp32 (or fp64 when given fp64) whatever the input dtype.
     """
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # softmax does not see a shift; subtracting the max before the division by T keeps fp32 exact
+    # for logits of large magnitude (x / T alone would round 1e4 + 0.5 by ~5e-4)
+    z = (x - x.detach().amax(-1, keepdim=True)) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = logp_all.exp()

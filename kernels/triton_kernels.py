@@ -10,11 +10,9 @@ Log-probs + entropy, one program per row, two passes over the logits in all (for
 Policy loss: one elementwise pass that writes the loss and its derivative in logp, so backward is a
 multiply.
 
-Under TRITON_INTERPRET=1 these run on CPU tensors. The interpreter gets bf16 arithmetic wrong, so every
+Under TRITON_INTERPRET=1, set before triton is first imported, these run on CPU tensors. The interpreter gets bf16 arithmetic wrong, so every
 load is cast to fp32 right away (which is also what we want on the GPU: fp32 accumulation).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -113,23 +111,13 @@ def _policy_loss_fwd(logp_ptr, old_logp_ptr, adv_ptr, weights_ptr, ref_logp_ptr,
     tl.store(clipped_high_ptr + offs, clipped_high.to(tl.int8), mask=mask)
 
 
-def _interpreting():
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _on(kernel, tensor):
-    """The kernel as it can run on tensor's device. A kernel compiled for the GPU cannot take CPU
-    tensors; when TRITON_INTERPRET was set only after this module was imported, build the
-    interpreted twin of the same Python function."""
-    if tensor.is_cuda or not isinstance(kernel, triton.runtime.JITFunction):
-        return kernel
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(kernel.fn)
+# True when TRITON_INTERPRET=1 was set before triton was imported: the kernels then run on CPU tensors
+INTERPRETED = not isinstance(_policy_loss_fwd, triton.runtime.JITFunction)
 
 
 def _launch_config(V):
     """(BLOCK_V, num_warps). Small blocks under the interpreter so that tests cross block borders."""
-    if _interpreting():
+    if INTERPRETED:
         return 512, 4
     block_v = min(8192, triton.next_power_of_2(V))
     return block_v, (16 if block_v >= 8192 else 8 if block_v >= 2048 else 4)
@@ -140,7 +128,7 @@ def logprobs_entropy_fwd(logits, targets, temperature):
     N, V = logits.shape
     logp, entropy, xmax, logz = torch.empty(4, N, device=logits.device, dtype=torch.float32)
     block_v, num_warps = _launch_config(V)
-    _on(_logprobs_entropy_fwd, logits)[(N,)](
+    _logprobs_entropy_fwd[(N,)](
         logits, targets, logp, entropy, xmax, logz, logits.stride(0), V, 1.0 / temperature,
         BLOCK_V=block_v, num_warps=num_warps)
     return logp, entropy, xmax, logz
@@ -153,7 +141,7 @@ def logprobs_entropy_bwd(logits, targets, grad_logp, grad_entropy, xmax, logz, e
     N, V = logits.shape
     dlogits = torch.empty_like(logits) if out is None else out
     block_v, num_warps = _launch_config(V)
-    _on(_logprobs_entropy_bwd, logits)[(N,)](
+    _logprobs_entropy_bwd[(N,)](
         logits, dlogits, targets, grad_logp, grad_entropy, xmax, logz, entropy,
         logits.stride(0), dlogits.stride(0), V, 1.0 / temperature,
         BLOCK_V=block_v, num_warps=num_warps)
@@ -166,7 +154,7 @@ def policy_loss_fwd(logp, old_logp, adv, weights, ref_logp, eps_low, eps_high, d
     loss, dloss = torch.empty(2, n, device=logp.device, dtype=torch.float32)
     clipped_low, clipped_high = torch.empty(2, n, device=logp.device, dtype=torch.int8)
     block = 1024
-    _on(_policy_loss_fwd, logp)[(triton.cdiv(n, block),)](
+    _policy_loss_fwd[(triton.cdiv(n, block),)](
         logp, old_logp, adv, logp if weights is None else weights, logp if ref_logp is None else ref_logp,
         loss, dloss, clipped_low, clipped_high, n, 1.0 - eps_low, 1.0 + eps_high,
         0.0 if dual_clip is None else float(dual_clip), float(kl_coef),
