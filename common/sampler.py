@@ -1,0 +1,307 @@
+"""KV-cached batched sampling for RL rollouts: many prompts x n samples each, with the log-prob and the
+entropy of every generated token. Hand-written, in the spirit of gpt-fast.
+
+    from common.sampler import generate
+    groups = generate(model, [tok.prompt(q) for q in questions], n=8, max_new_tokens=512,
+                      temperature=1.0, stop_ids=tok.stop_ids, seed=0)
+    s = groups[0][3]                          # prompt 0, sample 3
+    s.tokens, s.logprobs, s.entropies, s.finished
+
+One call, in three stages:
+  1. prefill  the distinct prompts, left-padded and without their last token, go through the model once
+              into a pre-allocated KV cache; `cache.select` then repeats each prompt's rows for its samples.
+  2. extend   every sample feeds [last prompt token, *its prefix] (a given start of the completion, if any),
+              left-padded inside that segment. This yields the log-probs of the prefix tokens and the logits
+              of the first new token. Padding in the middle of a row is fine: positions count real tokens.
+  3. decode   one token per live row per step, sampled on the device. The host reads the "done" flags only
+              every `check_every` steps, and then drops finished rows from the batch and the cache.
+
+Log-probs and entropies are those of softmax(logits / temperature) over the full vocabulary, before any
+top-k / top-p truncation: the distribution the trainer recomputes. temperature=0 is greedy (argmax), and
+then they are those of the plain T=1 softmax.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.model import apply_rope
+
+
+@dataclass
+class Sample:
+    tokens: list[int]  # the completion: prefix tokens (if any), then generated ids, the stop token included if hit
+    logprobs: torch.Tensor  # [len(tokens)] fp32, log softmax(logits / temperature) at each token
+    entropies: torch.Tensor  # [len(tokens)] fp32, entropy of that same full-vocabulary distribution
+    finished: bool  # a stop token was generated; False: cut off at max_new_tokens
+    prefix_len: int = 0  # how many leading tokens came from `prefixes` (scored, not sampled)
+    hidden: torch.Tensor | None = None  # return_hidden: [len, d] (or [d] with "mean"), see generate
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def sample_from_logits(logits, temperature=1.0, top_k=0, top_p=1.0, noise=None):
+    """logits [B, V] fp32 -> token ids [B]. noise: Exp(1) draws shaped like logits (unused when greedy).
+
+    No host synchronisation: top-k / top-p mask logits, and the draw is an exponential race,
+    argmax_i p_i / E_i with E_i ~ Exp(1), which picks i with probability p_i (no cumsum, no .item()).
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:  # keep the smallest head of the sorted distribution whose mass reaches top_p
+        sorted_logits, order = logits.sort(-1, descending=True)
+        p = sorted_logits.softmax(-1)
+        drop = p.cumsum(-1) - p >= top_p  # the mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return (logits.softmax(-1) / noise).argmax(-1)
+
+
+def logprobs_entropy(logits, tokens, temperature=1.0):
+    """logits [B, V], tokens [B] -> (log-prob of each token, entropy) [B] under softmax(logits / T), fp32.
+    The same math as the trainer's kernels.logprobs_entropy reference, so sampler and trainer agree."""
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)
+    p = logp_all.exp()
+    entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)
+    return logp_all.gather(-1, tokens[:, None])[:, 0], entropy
+
+
+# ------------------------------------------------------------------------------------------- forward
+
+def prefill(model, ids, mask, cache):
+    """ids, mask [U, W]: left-padded prompts into cache columns 0..W-1. Only the cache is wanted: asking for
+    hidden states skips the LM head, which would cost [U, W, vocab]."""
+    if ids.shape[1]:
+        model(ids, attention_mask=None if mask.all() else mask, cache=cache, return_hidden=True)
+
+
+def decode_step(model, tok, pos, cache, col, mask):
+    """One token per row (tok, pos [B]) written at cache column `col`, attending over columns 0..col only.
+    mask [B, >col] bool marks real columns, or None when no row has padding. Returns hidden states [B, d]."""
+    m = None if mask is None else mask[:, :col + 1]
+    return model(tok[:, None], attention_mask=m, positions=pos[:, None], cache=cache, start=col, return_hidden=True)[:, 0]
+
+
+def decode_step_static(model, tok, pos, col, k_cache, v_cache, mask):
+    """decode_step with fixed shapes, for torch.compile(mode="reduce-overhead") (CUDA graphs): `col` is a
+    0-dim tensor, attention runs over the whole cache with mask [B, max_len] (set here at `col`).
+    The same math as common.model's Attention, with the cache write done by index_copy_."""
+    cfg, B = model.cfg, tok.shape[0]
+    mask.index_fill_(1, col.view(1), True)
+    x = model.embed_tokens(tok[:, None])  # [B, 1, d]
+    angles = pos[:, None].float() * model.inv_freq.to(x.device)
+    angles = torch.cat((angles, angles), -1)[:, None, None]  # [B, 1, 1, head_dim]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    for i, block in enumerate(model.layers):
+        att, h = block.self_attn, block.input_layernorm(x)
+        q = att.q_proj(h).view(B, 1, -1, cfg.head_dim)
+        k = att.k_proj(h).view(B, 1, -1, cfg.head_dim)
+        v = att.v_proj(h).view(B, 1, -1, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm:
+            q, k = att.q_norm(q), att.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        k_cache[i].index_copy_(2, col.view(1), k)
+        v_cache[i].index_copy_(2, col.view(1), v)
+        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask[:, None, None],
+                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        x = x + att.o_proj(y.transpose(1, 2).reshape(B, 1, -1))
+        x = x + block.mlp(block.post_attention_layernorm(x))
+    return model.norm(x)[:, 0]
+
+
+_compiled = {}
+
+
+def _compile(fn, **kw):
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, **kw)
+    return _compiled[fn]
+
+
+# ------------------------------------------------------------------------------------------ generate
+
+def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=None,
+             seed=None, *, prefixes=None, step_hook=None, return_hidden=False, check_every=8, compile=False):
+    """Sample completions: returns one list per prompt of its Sample's (prompt-major, n[i] of them).
+
+    prompts: list of token-id lists. n: int, or one int per prompt (0 gives an empty list).
+    stop_ids: ids that end a completion (kept in .tokens); None: the model config's eos_token_id; () never stops.
+    seed: same seed, same completions (on one device); None draws one from torch's global RNG.
+    prefixes: None, or one entry per prompt: a list of ids shared by that prompt's samples, or a list of
+      n[i] lists (one per sample). They are the start of the COMPLETION: each sample's .tokens, .logprobs,
+      .entropies (and .hidden) begin with its prefix, scored by the same softmax; max_new_tokens counts
+      only the tokens generated after it, and stop ids inside a prefix do not stop it.
+    step_hook: fn(step, logits, tokens, rows) -> tokens, called once per generated token position with the
+      policy's raw logits [B, V] fp32, the sampled tokens [B] and rows [B]: the index of each active row's
+      sample in prompt-major order (sample j of prompt i is sum(n[:i]) + j). The returned tokens are the
+      ones emitted and fed back; their log-probs and entropies are still the policy's. Stop ids are checked
+      on them. (EAPO: swap in tokens drawn from a prior policy stepped alongside, with its own cache.)
+    return_hidden: True gives each sample .hidden [len(tokens), d] fp32, the final-norm hidden state whose
+      LM-head output scored each token (so row 0 is the prompt's last position); "mean" averages those rows.
+    check_every: steps between host reads of the done flags (early exit, dropping finished rows).
+    compile: torch.compile the one-token step (CUDA graphs on GPU); the batch then keeps a fixed shape and
+      finished rows are not dropped, only the early exit remains.
+    """
+    ns, pre = _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p, top_k)
+    if stop_ids is None:
+        eos = model.cfg.extra.get("eos_token_id")
+        stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    owner = [i for i, k in enumerate(ns) for _ in range(k)]  # sample -> its prompt
+    S = len(owner)
+    if S == 0:
+        return [[] for _ in prompts]
+    dev = model.lm_head.weight.device
+    uniq = {}  # distinct prompts with samples, each prefilled once
+    urow = [uniq.setdefault(tuple(prompts[i]), len(uniq)) for i in owner]
+    W = max(len(p) for p in uniq) - 1  # prefill width: all but the last prompt token
+    L = max(len(p) for p in pre)  # longest prefix
+    steps = max_new_tokens
+    max_len = W + L + max(steps, 1)
+    if compile:  # fewer distinct cache shapes, fewer recompiles
+        max_len = -(-max_len // 128) * 128
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
+
+    with torch.inference_mode():
+        ids, pmask = _left_pad([p[:-1] for p in uniq], W, dev)  # [U, W]
+        seg, smask = _left_pad([[prompts[owner[s]][-1], *pre[s]] for s in range(S)], L + 1, dev)  # [S, L+1]
+        cache = model.new_cache(len(uniq), max_len)
+        prefill(model, ids, pmask, cache)
+        sel = torch.tensor(urow, device=dev)
+        cache.select(sel)  # each prompt's cache rows, repeated for its samples
+        mask = torch.zeros(S, max_len, dtype=torch.bool, device=dev)  # real tokens; columns turn on as written
+        mask[:, :W], mask[:, W:W + L + 1] = pmask[sel], smask
+        padded = not mask[:, :W + L + 1].all()
+        h = model(seg, attention_mask=mask[:, :W + L + 1] if padded else None, cache=cache, start=W,
+                  return_hidden=True)  # [S, L+1, d]
+
+        # the prefix tokens, scored from the states one column to their left
+        is_pre = smask[:, 1:] & smask[:, :-1]  # [S, L], True where the next column holds a prefix token
+        pre_h = h[:, :L][is_pre]  # [N, d]
+        pre_logp, pre_ent = logprobs_entropy(model.lm_head(pre_h), seg[:, 1:][is_pre], temperature or 1.0)
+
+        h = h[:, -1]  # [S, d], predicts the first new token
+        pos = torch.tensor([len(prompts[owner[s]]) + len(pre[s]) for s in range(S)], device=dev)
+        rows = torch.arange(S, device=dev)  # sample index of each active row
+        out_tok = torch.full((S, steps), -1, dtype=torch.long, device=dev)
+        out_logp = torch.zeros(S, steps, device=dev)
+        out_ent = torch.zeros(S, steps, device=dev)
+        out_h = torch.zeros(S, steps, h.shape[-1], device=dev) if return_hidden else None
+        stops = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
+        done = torch.zeros(S, dtype=torch.bool, device=dev)
+        col = W + L + 1  # cache column of the next token fed
+        if compile:
+            step_fn = _compile(decode_step_static, mode="reduce-overhead" if dev.type == "cuda" else None, fullgraph=True)
+            pick = _compile(sample_from_logits)
+            score = _compile(logprobs_entropy)
+            for t in (cache.k, cache.v, mask):
+                torch._dynamo.mark_static_address(t)  # written in place by the graph: do not copy
+            col_t = torch.tensor(col, device=dev)
+        else:
+            pick, score = sample_from_logits, logprobs_entropy
+        for t in range(steps):
+            logits = model.lm_head(h).float()  # [B, V]
+            noise = None if temperature == 0 else torch.empty_like(logits).exponential_(generator=gen)
+            tok = pick(logits, temperature, top_k, top_p, noise)
+            if step_hook is not None:
+                tok = step_hook(t, logits, tok, rows)
+            logp, ent = score(logits, tok, temperature or 1.0)
+            out_tok[rows, t], out_logp[rows, t], out_ent[rows, t] = tok, logp, ent
+            if return_hidden:
+                out_h[rows, t] = h.float()
+            done |= torch.isin(tok, stops)
+            if t + 1 == steps:
+                break
+            if (t + 1) % check_every == 0:  # the only host syncs in the loop
+                n_done = int(done.sum())
+                if n_done == len(rows):
+                    break
+                if n_done and not compile:  # finished rows stop costing compute
+                    keep = (~done).nonzero()[:, 0]
+                    cache.select(keep)
+                    rows, tok, pos, mask, done = rows[keep], tok[keep], pos[keep], mask[keep], done[keep]
+            if compile:
+                h = step_fn(model, tok, pos, col_t, cache.k, cache.v, mask)
+                col_t += 1
+            else:
+                mask[:, col] = True
+                h = decode_step(model, tok, pos, cache, col, mask if padded else None)
+            pos, col = pos + 1, col + 1
+
+    # outside inference mode, so that the returned tensors can enter autograd code (as old log-probs)
+    return _collect(ns, pre, out_tok.clone(), out_logp.clone(), out_ent.clone(), pre_logp.clone(),
+                    pre_ent.clone(), stops.cpu(), out_h.clone() if return_hidden else None,
+                    pre_h.float().clone() if return_hidden else None, return_hidden)
+
+
+def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_h, pre_h, return_hidden):
+    """Cut each sample at its first stop token and prepend its prefix: the per-prompt lists of Sample."""
+    out_tok, out_logp, out_ent = out_tok.cpu(), out_logp.cpu(), out_ent.cpu()
+    pre_logp, pre_ent = pre_logp.cpu().split([len(p) for p in pre]), pre_ent.cpu().split([len(p) for p in pre])
+    if return_hidden:
+        out_h, pre_h = out_h.cpu(), pre_h.cpu().split([len(p) for p in pre])
+    is_stop = torch.isin(out_tok, stops)
+    finished = is_stop.any(1).tolist()
+    first = ((is_stop.cumsum(1) == 0).sum(1) + 1).clamp(max=out_tok.shape[1]).tolist()  # length up to the stop
+    groups, s = [], 0
+    for k in ns:
+        group = []
+        for _ in range(k):
+            m = first[s]
+            sample = Sample(tokens=pre[s] + out_tok[s, :m].tolist(), logprobs=torch.cat((pre_logp[s], out_logp[s, :m])),
+                            entropies=torch.cat((pre_ent[s], out_ent[s, :m])), finished=finished[s], prefix_len=len(pre[s]))
+            if return_hidden:
+                hid = torch.cat((pre_h[s], out_h[s, :m]))
+                sample.hidden = hid.mean(0) if return_hidden == "mean" else hid
+            group.append(sample)
+            s += 1
+        groups.append(group)
+    return groups
+
+
+def _left_pad(seqs, width, dev):
+    """list of id lists -> (ids [N, width] long, mask [N, width] bool), each row's tokens at its right end."""
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), True
+    return ids.to(dev), mask.to(dev)
+
+
+def _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p, top_k):
+    """Validate the call; returns (samples per prompt, one prefix per sample). Messages name the argument."""
+    V = model.cfg.vocab_size
+
+    def ids_ok(seq, what):
+        if not all(isinstance(t, int) and 0 <= t < V for t in seq):
+            raise ValueError(f"generate: {what} must hold token ids in [0, {V}), got {list(seq)[:8]}...")
+
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"generate: prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids")
+        ids_ok(p, f"prompts[{i}]")
+    ns = [n] * len(prompts) if isinstance(n, int) else list(n)
+    if len(ns) != len(prompts) or not all(isinstance(k, int) and k >= 0 for k in ns):
+        raise ValueError(f"generate: n must be an int >= 0 or one per prompt ({len(prompts)}), got {n}")
+    if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"generate: expected max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1, top_k >= 0; "
+                         f"got {max_new_tokens}, {temperature}, {top_p}, {top_k}")
+    if prefixes is None:
+        return ns, [[] for k in ns for _ in range(k)]
+    if len(prefixes) != len(prompts):
+        raise ValueError(f"generate: prefixes must have one entry per prompt ({len(prompts)}), got {len(prefixes)}")
+    pre = []
+    for i, (p, k) in enumerate(zip(prefixes, ns)):
+        per_sample = len(p) > 0 and isinstance(p[0], (list, tuple))
+        if per_sample and len(p) != k:
+            raise ValueError(f"generate: prefixes[{i}] has {len(p)} per-sample prefixes, but n[{i}] is {k}")
+        for j, q in enumerate(p if per_sample else [p] * k):
+            ids_ok(q, f"prefixes[{i}]" + (f"[{j}]" if per_sample else ""))
+            pre.append(list(q))
+    return ns, pre

@@ -1,0 +1,260 @@
+"""The sampler against `transformers` greedy decoding and against the full no-cache forward: every
+reported log-prob, entropy and hidden state must be what the model computes over prompt + completion."""
+import pytest
+import torch
+
+from common import sampler
+from common.model import ModelConfig, Transformer
+from common.sampler import generate
+
+KINDS = ["llama-gqa", "llama-tied", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """kind -> (our model, the transformers model it was saved from), built once per module."""
+    from conftest import make_hf_model
+
+    models = {}
+    for kind in KINDS:
+        hf = make_hf_model(kind)
+        folder = tmp_path_factory.mktemp(kind)
+        hf.save_pretrained(folder)
+        models[kind] = Transformer.from_pretrained(folder).eval(), hf
+    return models
+
+
+def rand_prompts(lens, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def full_forward(model, prompt, sample, temperature=1.0):
+    """(logp, entropy, hidden) of the sample's tokens from one no-cache forward over prompt + completion."""
+    ids = torch.tensor([prompt + sample.tokens])
+    with torch.no_grad():
+        h = model(ids, return_hidden=True)[0, len(prompt) - 1:-1]
+        logp_all = torch.log_softmax(model.lm_head(h) / temperature, -1)
+    logp = logp_all.gather(-1, torch.tensor(sample.tokens)[:, None])[:, 0]
+    return logp, -(logp_all.exp() * logp_all).sum(-1), h
+
+
+def check_scores(model, prompts, groups, temperature):
+    for p, group in zip(prompts, groups):
+        for s in group:
+            logp, ent, _ = full_forward(model, p, s, temperature)
+            torch.testing.assert_close(s.logprobs, logp, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(s.entropies, ent, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- greedy
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_matches_transformers(tiny, kind):
+    ours, hf = tiny[kind]
+    prompts = rand_prompts([7, 3, 12], seed=1)
+    groups = generate(ours, prompts, n=1, max_new_tokens=20, temperature=0, stop_ids=())
+    for p, (s,) in zip(prompts, groups):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert s.tokens == ref[0, len(p):].tolist()
+        assert not s.finished and len(s.logprobs) == len(s.entropies) == 20
+
+
+def test_greedy_matches_transformers_smollm2():
+    from transformers import AutoModelForCausalLM
+
+    from common.hub import resolve_model_dir
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained("smollm2")
+    ours = Transformer.from_pretrained("smollm2").eval()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir("smollm2"), dtype=torch.float32).eval()
+    prompts = [tok.prompt("What is 2 + 3?"), tok.prompt("Write one sentence about the sea, the sky and a small boat.")]
+    groups = generate(ours, prompts, max_new_tokens=32, temperature=0, stop_ids=())
+    for p, (s,) in zip(prompts, groups):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert s.tokens == ref[0, len(p):].tolist()
+
+
+# ------------------------------------------------------------------------------- what it reports
+
+def test_logprobs_entropies_equal_full_forward_with_per_prompt_n(tiny):
+    """Ragged prompts, n per prompt, top-k/top-p (which must not truncate the reported scores), stops that
+    end rows at different steps (so the batch gets compacted), temperature 0.7."""
+    model, _ = tiny["qwen3"]
+    prompts = rand_prompts([5, 9, 4, 1], seed=2)
+    stops = list(range(0, 256, 9))
+    groups = generate(model, prompts, n=[1, 3, 0, 2], max_new_tokens=24, temperature=0.7, top_k=40, top_p=0.9,
+                      stop_ids=stops, seed=0, check_every=2)
+    assert [len(g) for g in groups] == [1, 3, 0, 2]
+    lens = [len(s.tokens) for g in groups for s in g]
+    assert len(set(lens)) > 1, lens
+    check_scores(model, prompts, groups, 0.7)
+
+
+def test_stop_tokens_and_truncation(tiny):
+    model, _ = tiny["llama-gqa"]
+    prompts = rand_prompts([6, 3], seed=3)
+    stops = list(range(0, 256, 4))
+    for s in (s for g in generate(model, prompts, n=4, max_new_tokens=40, stop_ids=stops, seed=1) for s in g):
+        assert s.finished and s.tokens[-1] in stops and not set(s.tokens[:-1]) & set(stops)
+        assert len(s.logprobs) == len(s.entropies) == len(s.tokens)
+    for s in (s for g in generate(model, prompts, n=2, max_new_tokens=5, stop_ids=(), seed=1) for s in g):
+        assert not s.finished and len(s.tokens) == 5
+    # stop_ids=None means the config's eos_token_id
+    eos = model.cfg.extra.get("eos_token_id")
+    for s in generate(model, prompts, n=8, max_new_tokens=30, seed=2)[0]:
+        assert s.finished == (eos in s.tokens) and (not s.finished or s.tokens.index(eos) == len(s.tokens) - 1)
+
+
+def test_hidden_states_equal_model_forward(tiny):
+    model, _ = tiny["qwen2"]
+    prompts = rand_prompts([4, 8], seed=4)
+    groups = generate(model, prompts, n=2, max_new_tokens=10, stop_ids=list(range(0, 256, 16)), seed=3,
+                      return_hidden=True, check_every=1)
+    for p, g in zip(prompts, groups):
+        for s in g:
+            h = full_forward(model, p, s)[2]
+            torch.testing.assert_close(s.hidden, h, atol=1e-4, rtol=1e-4)
+    pooled = generate(model, prompts, n=2, max_new_tokens=10, stop_ids=list(range(0, 256, 16)), seed=3,
+                      return_hidden="mean", check_every=1)
+    torch.testing.assert_close(pooled[1][0].hidden, groups[1][0].hidden.mean(0))
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+def test_top_k_1_is_greedy_and_samples_lie_in_top_k_top_p(tiny):
+    model, _ = tiny["llama-tied"]
+    prompts = rand_prompts([5, 7], seed=5)
+    greedy = generate(model, prompts, max_new_tokens=12, temperature=0, stop_ids=())
+    top1 = generate(model, prompts, max_new_tokens=12, temperature=1.5, top_k=1, stop_ids=(), seed=4)
+    assert [g[0].tokens for g in greedy] == [g[0].tokens for g in top1]
+    k, top_p, T = 20, 0.5, 1.3
+    groups = generate(model, prompts, n=4, max_new_tokens=12, temperature=T, top_k=k, top_p=top_p, stop_ids=(), seed=5)
+    for p, g in zip(prompts, groups):
+        for s in g:
+            with torch.no_grad():
+                logits = model(torch.tensor([p + s.tokens]))[0, len(p) - 1:-1] / T
+            kth = logits.topk(k, -1).values[:, -1:]
+            probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+            chosen = probs.gather(-1, torch.tensor(s.tokens)[:, None])
+            assert (logits.gather(-1, torch.tensor(s.tokens)[:, None]) >= kth).all()
+            # in the nucleus: the mass strictly above the chosen token is below top_p
+            assert (torch.where(probs > chosen, probs, 0).sum(-1) < top_p).all()
+
+
+def test_first_token_frequencies_match_softmax():
+    """Chi-square goodness of fit, many one-token samples of a vocab-16 model (fixed seed)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    model = Transformer(cfg).eval()
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        probs = model(torch.tensor([prompt]))[0, -1].softmax(-1)
+    N = 20000
+    (group,) = generate(model, [prompt], n=N, max_new_tokens=1, temperature=1.0, stop_ids=(), seed=0)
+    counts = torch.bincount(torch.tensor([s.tokens[0] for s in group]), minlength=16).double()
+    chi2 = ((counts - N * probs.double()) ** 2 / (N * probs.double())).sum().item()
+    assert chi2 < 37.7, chi2  # the 0.999 quantile of chi-square with 15 degrees of freedom
+    torch.testing.assert_close(group[0].logprobs[0], probs[group[0].tokens[0]].log())
+
+
+def test_seed_reproducible(tiny):
+    model, _ = tiny["qwen3"]
+    prompts = rand_prompts([5, 6], seed=6)
+    run = lambda seed: [s.tokens for g in generate(model, prompts, n=3, max_new_tokens=16, stop_ids=(), seed=seed) for s in g]
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    torch.manual_seed(0)
+    a = generate(model, prompts, max_new_tokens=16, stop_ids=())
+    torch.manual_seed(0)
+    assert [g[0].tokens for g in a] == [g[0].tokens for g in generate(model, prompts, max_new_tokens=16, stop_ids=())]
+
+
+# ------------------------------------------------------------------- what the algorithms build on
+
+def test_prefixes_belong_to_the_completion(tiny):
+    model, _ = tiny["llama-gqa"]
+    prompts = rand_prompts([6, 3, 5], seed=7)
+    shared, per_sample = [11, 12, 13], [[21], [], [22, 23, 24, 25]]
+    groups = generate(model, prompts, n=[2, 3, 1], max_new_tokens=8, temperature=0, stop_ids=(),
+                      prefixes=[shared, per_sample, []])
+    for s in groups[0]:
+        assert s.tokens[:3] == shared and s.prefix_len == 3 and len(s.tokens) == 11
+    for s, q in zip(groups[1], per_sample):
+        assert s.tokens[:len(q)] == q and s.prefix_len == len(q)
+    assert groups[2][0].prefix_len == 0
+    check_scores(model, prompts, groups, 1.0)
+    # greedy continuation of a prefix = greedy continuation of the prompt that ends with it
+    alone = generate(model, [prompts[1] + per_sample[2]], max_new_tokens=8, temperature=0, stop_ids=())
+    assert alone[0][0].tokens == groups[1][2].tokens[4:]
+
+
+def test_step_hook_replaces_tokens_with_a_prior_policy(tiny):
+    """A hook that emits a second model's greedy token (the prior is stepped without a cache here, for
+    brevity) must reproduce the prior's own greedy completion, scored by the policy."""
+    policy, _ = tiny["qwen2"]
+    prior, _ = tiny["llama-tied"]
+    prompts = rand_prompts([4, 7], seed=8)
+    ns = [2, 1]
+    sample_prompt = [p for p, k in zip(prompts, ns) for _ in range(k)]
+    emitted = [[] for _ in sample_prompt]
+    seen_rows = []
+
+    def hook(step, logits, tokens, rows):
+        assert logits.shape == (len(rows), policy.cfg.vocab_size) and logits.dtype == torch.float32
+        seen_rows.append(rows.tolist())
+        new = tokens.clone()
+        for i, r in enumerate(rows.tolist()):
+            with torch.no_grad():
+                new[i] = prior(torch.tensor([sample_prompt[r] + emitted[r]]))[0, -1].argmax()
+            emitted[r].append(int(new[i]))
+        return new
+
+    groups = generate(policy, prompts, n=ns, max_new_tokens=6, temperature=0.8, stop_ids=(), seed=0, step_hook=hook)
+    assert seen_rows[0] == [0, 1, 2] and len(seen_rows) == 6
+    ref = generate(prior, prompts, n=ns, max_new_tokens=6, temperature=0, stop_ids=())
+    assert [s.tokens for g in groups for s in g] == [s.tokens for g in ref for s in g]
+    check_scores(policy, prompts, groups, 0.8)
+
+
+def test_static_decode_step_equals_eager(tiny, monkeypatch):
+    """The fixed-shape step that compile=True uses (run eagerly here) decodes what the default path does."""
+    monkeypatch.setattr(sampler, "_compile", lambda fn, **kw: fn)
+    model, _ = tiny["qwen3"]
+    prompts = rand_prompts([3, 10, 6], seed=9)
+    kw = dict(n=[2, 1, 2], max_new_tokens=12, stop_ids=list(range(0, 256, 10)), seed=1,
+              prefixes=[[5, 6], [], [[7], [8, 9, 10]]], check_every=4)
+    a, b = generate(model, prompts, temperature=0, **kw), generate(model, prompts, temperature=0, compile=True, **kw)
+    assert [s.tokens for g in a for s in g] == [s.tokens for g in b for s in g]
+    # sampled: other draws than the default path (which drops finished rows), but the same scores
+    check_scores(model, prompts, generate(model, prompts, temperature=0.9, compile=True, **kw), 0.9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_bf16_cuda_runs(tiny):
+    model = tiny["llama-gqa"][0]
+    model = Transformer(model.cfg).to("cuda", torch.bfloat16).eval()
+    model.load_state_dict(tiny["llama-gqa"][0].state_dict())
+    prompts = rand_prompts([5, 9], seed=10)
+    a = generate(model, prompts, max_new_tokens=16, temperature=0, stop_ids=())
+    b = generate(model, prompts, max_new_tokens=16, temperature=0, stop_ids=(), compile=True)
+    assert [len(g[0].tokens) for g in b] == [16, 16]
+    assert sum(x == y for ga, gb in zip(a, b) for x, y in zip(ga[0].tokens, gb[0].tokens)) >= 24  # bf16 may drift
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(prompts=[[1, 2], []]), ["prompts[1]", "non-empty"]),
+    (dict(prompts=[[1, 2]], n=[1, 2]), ["n must be"]),
+    (dict(prompts=[[1, 999]]), ["prompts[0]", "token ids in [0, 256)"]),
+    (dict(prompts=[[1, 2]], n=2, prefixes=[[[1], [2], [3]]]), ["prefixes[0]", "n[0] is 2"]),
+    (dict(prompts=[[1, 2]], top_p=0.0), ["top_p"]),
+])
+def test_bad_input_names_the_argument(tiny, kw, words):
+    with pytest.raises(ValueError) as e:
+        generate(tiny["qwen2"][0], max_new_tokens=2, **kw)
+    for w in words:
+        assert w in str(e.value), str(e.value)
