@@ -79,25 +79,28 @@ def logprobs_entropy(logits, targets, temperature=1.0):
 
 # --- the same from hidden states, one chunk of logits at a time --------------------------------
 
+# The chunk's logits are ours (just computed from hidden @ weight.T), so both passes overwrite them:
+# in PyTorch the in-place ops keep the temporaries to about two chunks, as in the kernels to none.
+
 def _chunk_fwd(logits, targets, temperature):
     """(logp, entropy, xmax, logz) of one chunk of logits [c, V]; the kernel's math in PyTorch off-GPU."""
     if use_triton(logits):
         return triton_kernels.logprobs_entropy_fwd(logits, targets, temperature)
-    x = logits.float()
-    xmax = x.amax(-1)
-    logp_all = (x - xmax[:, None]) / temperature
-    logz = torch.logsumexp(logp_all, -1)
+    logp_all = logits.float()  # the same tensor when the logits are fp32
+    xmax = logp_all.amax(-1)
+    logz = torch.logsumexp(logp_all.sub_(xmax[:, None]).div_(temperature), -1)
     logp_all -= logz[:, None]
-    entropy = torch.special.entr(logp_all.exp()).sum(-1)
+    p = logp_all.exp()
+    entropy = torch.special.entr(p, out=p).sum(-1)
     return logp_all.gather(1, targets[:, None])[:, 0], entropy, xmax, logz
 
 
 def _chunk_bwd(logits, targets, grad_logp, grad_entropy, xmax, logz, entropy, temperature):
-    """d logits of one chunk; the Triton kernel writes them over the chunk's logits (recomputed, ours)."""
+    """d logits of one chunk, in the logits' dtype."""
     if use_triton(logits):
         return triton_kernels.logprobs_entropy_bwd(logits, targets, grad_logp, grad_entropy,
                                                    xmax, logz, entropy, temperature, out=logits)
-    logp_all = (logits.float() - xmax[:, None]) / temperature - logz[:, None]
+    logp_all = logits.float().sub_(xmax[:, None]).div_(temperature).sub_(logz[:, None])
     p = logp_all.exp()
     # dz = -p (g_logp + g_entropy (log p + H)) + g_logp 1[j = t], as in the kernel
     dz = logp_all.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).mul_(p)
