@@ -153,6 +153,17 @@ def step_prompts(train, step, n, seed):
     return out
 
 
+def micro_batch_loss(policy, ids, mask, tok_adv, w, old_logp, ref_logp, cfg):
+    """Σ_t w_t ℓ_t over one micro-batch (spec 6-7). old_logp None: this forward is π_old itself (μ = M = 1)."""
+    logp, entropy = token_logprobs(policy, ids, mask, cfg.temperature)
+    old = logp.detach() if old_logp is None else old_logp
+    loss_tok, clip_low, clip_high = policy_loss(logp, old, tok_adv, cfg.eps_low, cfg.eps_high,
+                                                ref_logp=ref_logp, kl_coef=cfg.kl_coef)
+    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
+    loss = (loss_tok * w).sum() * dist.world()
+    return loss, logp, entropy, old, clip_low, clip_high
+
+
 # ---------------------------------------------------------------------------------------- main loop
 
 def main():
@@ -257,15 +268,11 @@ def main():
                     ids, mask = micro_inputs(idx)
                     w = token_weights(lengths[idx], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens)).to(device)
                     tok_adv = seq_adv[idx].repeat_interleave(lengths[idx]).to(device)
-                    last_micro = j == len(mb_micro) - 1
+                    old, ref = old_logp.get(idx[0]), ref_logp.get(idx[0])
+                    last_micro = j == len(mb_micro) - 1  # DDP all-reduces gradients on the last one only
                     with autocast, (nullcontext() if last_micro or not dist.is_distributed() else policy.no_sync()):
-                        logp, entropy = token_logprobs(policy, ids, mask, cfg.temperature)
-                        old = old_logp.get(idx[0], logp.detach())
-                        ref = ref_logp.get(idx[0])
-                        loss_tok, clip_low, clip_high = policy_loss(logp, old, tok_adv, cfg.eps_low, cfg.eps_high,
-                                                                    ref_logp=ref, kl_coef=cfg.kl_coef)
-                        # w divides by the global totals; DDP averages over ranks, so undo its 1/world
-                        loss = (loss_tok * w).sum() * dist.world()
+                        loss, logp, entropy, old, clip_low, clip_high = micro_batch_loss(
+                            policy, ids, mask, tok_adv, w, old, ref, cfg)
                     loss.backward()
                     with torch.no_grad():  # diagnostics (spec "Metrics every step")
                         log_ratio = logp.detach() - old

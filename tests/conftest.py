@@ -40,3 +40,23 @@ def hf_tiny(request, tmp_path):
     folder = tmp_path / request.param
     model.save_pretrained(folder)
     return request.param, model, folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer: a complete model folder for end-to-end runs."""
+    import shutil
+
+    from common.hub import resolve_model_dir
+    from common.model import ModelConfig, Transformer
+
+    src = resolve_model_dir("smollm2")
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                      extra={"bos_token_id": 1, "eos_token_id": 2})
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    Transformer(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+    return folder
