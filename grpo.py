@@ -14,8 +14,8 @@ dynamic sampling), Dr. GRPO (no std, length-unbiased normalisation).
 Left out on purpose: a format reward (off by default, --format-reward adds it), length penalties,
 refilling groups dropped by dynamic sampling (we drop them and log how many), value models.
 """
+import copy
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -31,7 +31,7 @@ from common.sampler import generate
 from common.tasks import format_question, load_task
 from common.tokenizer import Tokenizer
 from common.verifier import extract_answer, score
-from kernels import linear_logprobs_entropy, policy_loss
+from kernels import policy_loss
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
     eval_every: int = 20  # evaluate every N steps (and before step 1 and after the last)
     eval_size: int = 200  # held-out problems per evaluation
@@ -138,9 +139,7 @@ def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: 
 def token_logprobs(model, ids, mask, temperature):
     """Log-probs and entropies of the completion tokens, flat [n_tokens], from logits / temperature.
     The LM head and log-softmax are fused: the [tokens, vocab] logits are never held whole."""
-    hidden = model(ids[:, :-1], return_hidden=True)  # [N, T-1, d]
-    head = model.module.lm_head if hasattr(model, "module") else model.lm_head
-    return linear_logprobs_entropy(hidden[mask], head.weight, ids[:, 1:][mask], temperature)
+    return model(ids[:, :-1], targets=ids[:, 1:], target_mask=mask, temperature=temperature)
 
 
 def step_prompts(train, step, n, seed):
@@ -166,8 +165,8 @@ def micro_batch_loss(policy, ids, mask, tok_adv, w, old_logp, ref_logp, cfg):
 
 # ---------------------------------------------------------------------------------------- main loop
 
-def main():
-    cfg = parse(Config)
+def main(argv=None):
+    cfg = parse(Config, argv)
     device = dist.setup(cfg.device)
     validate(cfg)
     cfg.run_name = cfg.run_name or datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
@@ -189,13 +188,17 @@ def main():
     if cfg.kl_coef > 0:  # spec 6: the reference policy exists only when it is used
         ref_model = Transformer.from_pretrained(cfg.model, device=device, dtype=torch.bfloat16 if on_gpu else None).eval()
         ref_model.requires_grad_(False)
-    policy = torch.nn.parallel.DistributedDataParallel(model) if dist.is_distributed() else model
+    # under FSDP2 the trained weights are sharded; rollouts come from a whole copy refreshed after each update
+    rollout = copy.deepcopy(model) if cfg.fsdp and dist.is_distributed() else model
+    policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (spec 8: warm-up, then constant)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     start_step = 0
     if ckpt is not None:
-        start_step = checkpoint.load_trainer_state(ckpt, optimizer)["step"]
+        state = checkpoint.load_trainer_state(ckpt)
+        dist.load_optimizer_state(model, optimizer, state["optimizer"])
+        start_step = state["step"]
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +210,7 @@ def main():
     first_acc = None
     if start_step == 0:
         with autocast:
-            first = evaluate(model, tok, held_out, seed=cfg.seed, **eval_kw)
+            first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
         first_acc = first["eval/greedy_acc"]
         log.log(0, first)
 
@@ -216,9 +219,9 @@ def main():
         # ---- 1. rollouts: B prompts x G completions from the current policy (spec 1)
         batch = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
         prompts = [tok.prompt(format_question(p)) for p in batch]
-        model.eval()
+        rollout.eval()
         with torch.no_grad(), autocast:
-            groups = generate(model, prompts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            groups = generate(rollout, prompts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
         model.train()
         t_sample = time.time()
@@ -269,11 +272,11 @@ def main():
                     w = token_weights(lengths[idx], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens)).to(device)
                     tok_adv = seq_adv[idx].repeat_interleave(lengths[idx]).to(device)
                     old, ref = old_logp.get(idx[0]), ref_logp.get(idx[0])
-                    last_micro = j == len(mb_micro) - 1  # DDP all-reduces gradients on the last one only
-                    with autocast, (nullcontext() if last_micro or not dist.is_distributed() else policy.no_sync()):
+                    last_micro = j == len(mb_micro) - 1  # gradients are all-reduced on the last one only
+                    with autocast, dist.accumulate(policy, skip_sync=not last_micro):
                         loss, logp, entropy, old, clip_low, clip_high = micro_batch_loss(
                             policy, ids, mask, tok_adv, w, old, ref, cfg)
-                    loss.backward()
+                        loss.backward()
                     with torch.no_grad():  # diagnostics (spec "Metrics every step")
                         log_ratio = logp.detach() - old
                         stats["tokens"] += len(logp)
@@ -286,9 +289,10 @@ def main():
                         if epoch == 0:
                             sampler_logp = torch.cat([samples[i].logprobs for i in idx]).to(device)
                             stats["mismatch"] += (sampler_logp - old).abs().sum().item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                grad_norm = dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                 optimizer.step()
         scheduler.step()
+        dist.sync_rollout(model, rollout)
         t_train = time.time()
 
         # ---- metrics (spec "Metrics every step"), reduced over ranks
@@ -315,11 +319,13 @@ def main():
         # ---- evaluation and checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
             with autocast:
-                last = evaluate(model, tok, held_out, seed=cfg.seed, **eval_kw)
+                last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
             log.log(step, last)
         if step % cfg.save_every == 0 or step == cfg.steps:
+            optim_state = dist.optimizer_state(model, optimizer)  # a collective under FSDP2: every rank calls it
             if dist.is_main():
-                checkpoint.save(ckpt_dir, model, optimizer, step, model_source=_model_dir(cfg.model), extra={"config": asdict(cfg)})
+                checkpoint.save(ckpt_dir, rollout, optim_state, step, model_source=_model_dir(cfg.model),
+                                extra={"config": asdict(cfg)})
             dist.barrier()
 
     if dist.is_main() and cfg.steps > start_step:

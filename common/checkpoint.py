@@ -17,7 +17,7 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def save(ckpt_dir, model, optimizer, step: int, model_source=None, extra: dict | None = None):
+def save(ckpt_dir, model, optimizer_state: dict, step: int, model_source=None, extra: dict | None = None):
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt_dir.parent, prefix=ckpt_dir.name + ".tmp-"))
@@ -26,7 +26,7 @@ def save(ckpt_dir, model, optimizer, step: int, model_source=None, extra: dict |
         for name in TOKENIZER_FILES:
             if (Path(model_source) / name).is_file():
                 shutil.copy(Path(model_source) / name, tmp / name)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}},
+    torch.save({"step": step, "optimizer": optimizer_state, "rng": rng_state(), "extra": extra or {}},
                tmp / "trainer.pt")
     old = ckpt_dir.with_name(ckpt_dir.name + ".old")
     if ckpt_dir.exists():
@@ -45,9 +45,9 @@ def find(ckpt_dir) -> Path | None:
     return None
 
 
-def load_trainer_state(ckpt: Path, optimizer) -> dict:
+def load_trainer_state(ckpt: Path) -> dict:
+    """The saved step, optimizer state and extras; restores the RNG states as a side effect."""
     state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
     return state
 

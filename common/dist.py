@@ -7,6 +7,7 @@ group advantages need no communication), gradients are averaged by DDP (or shard
 reduced, rank 0 alone writes metrics and checkpoints.
 """
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as td
@@ -77,3 +78,74 @@ def reduce_metrics(metrics: dict, sums=()) -> dict:
 def barrier():
     if is_distributed():
         td.barrier()
+
+
+# ------------------------------------------------------------------------- DDP or FSDP2, and rollouts
+
+def wrap(model, fsdp: bool = False):
+    """The module to train through: the model itself (one process), DDP (replicated), or the model sharded
+    in place with FSDP2 (each block, then the rest) for models whose Adam state does not fit one device."""
+    if not is_distributed():
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def is_sharded(model) -> bool:
+    return type(model).__name__.startswith("FSDP")
+
+
+def full_state_dict(model) -> dict:
+    """Every parameter whole, on every rank (a collective under FSDP2)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def sync_rollout(model, rollout):
+    """Copy the trained weights into the whole copy that samples rollouts (under FSDP2; see grpo.py)."""
+    if rollout is not model:
+        rollout.load_state_dict(full_state_dict(model))
+
+
+def optimizer_state(model, optimizer) -> dict:
+    """The optimizer's state as one whole dict (gathered under FSDP2; only rank 0's copy is complete)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state: dict):
+    if not is_sharded(model):
+        return optimizer.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+@contextmanager
+def accumulate(policy, skip_sync: bool):
+    """Gradient accumulation: with skip_sync, this micro-batch's backward adds to local gradients without
+    the all-reduce (DDP no_sync / FSDP2 set_requires_gradient_sync); the last micro-batch syncs everything."""
+    if not (skip_sync and is_distributed()):
+        yield
+    elif is_sharded(policy):
+        policy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            policy.set_requires_gradient_sync(True)
+    else:
+        with policy.no_sync():
+            yield
+
+
+def local(t):
+    """A plain tensor from a possibly sharded (DTensor) one, e.g. the gradient norm under FSDP2."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -240,7 +240,8 @@ class Transformer(nn.Module):
         p = self.embed_tokens.weight
         return KVCache(self.cfg, batch, max_len, device=p.device, dtype=p.dtype)
 
-    def forward(self, input_ids, *, attention_mask=None, positions=None, cache=None, start=0, return_hidden=False):
+    def forward(self, input_ids, *, attention_mask=None, positions=None, cache=None, start=0, return_hidden=False,
+                targets=None, target_mask=None, temperature=1.0):
         """input_ids [B, T] -> logits [B, T, vocab] (or final hidden states [B, T, d]).
 
         attention_mask: [B, start + T] bool/int, 1 on real tokens (left padding is 0). Without a cache and
@@ -248,6 +249,9 @@ class Transformer(nn.Module):
         positions: [B, T] rope positions; by default counted over real tokens only (so padding shifts nothing).
         cache, start: a KVCache; these T tokens are written at columns start..start+T-1 and attend to all
           filled columns before them.
+        targets, target_mask: [B, T] ids and bool; if given, return (logp, entropy) [n] fp32 of the targets at the
+          masked positions under softmax(logits / temperature), through the fused LM-head kernel that never
+          holds the whole [tokens, vocab] logits. It is done inside forward so that DDP / FSDP see the head's use.
         """
         B, T = input_ids.shape
         dev = input_ids.device
@@ -279,6 +283,9 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, mask, cache, i, start)
         x = self.norm(x)
+        if targets is not None:
+            from kernels import linear_logprobs_entropy
+            return linear_logprobs_entropy(x[target_mask], self.lm_head.weight, targets[target_mask], temperature)
         return x if return_hidden else self.lm_head(x)
 
     # ------------------------------------------------------------------------------------------ I/O
