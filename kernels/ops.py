@@ -1,8 +1,9 @@
 """The fused ops: autograd Functions around the Triton kernels, the chunked LM-head path, and the
 dispatch between Triton and the PyTorch references.
 
-Dispatch: Triton runs on CUDA tensors; everything else goes to kernels/reference.py, unless
-FORCE_TRITON=1 (read at call time), which sends CPU tensors through the Triton kernels too, for the
+Dispatch: Triton runs on CUDA tensors; elsewhere logprobs_entropy and policy_loss are the functions in
+kernels/reference.py, and the LM-head path runs its chunks with the kernel's math written in PyTorch.
+FORCE_TRITON=1 (read at call time) sends CPU tensors through the Triton kernels too, for the
 interpreter (TRITON_INTERPRET=1) to run them in tests.
 """
 import os
@@ -29,9 +30,14 @@ def use_triton(tensor):
     return True
 
 
-def _flat(tensor, *shape):
-    """A contiguous view (or copy) of tensor, as the kernels index it."""
-    return tensor.reshape(*shape).contiguous()
+def _flat(tensor):
+    """A contiguous 1-D view (or copy) of tensor, as the kernels index it."""
+    return tensor.reshape(-1).contiguous()
+
+
+def _check_temperature(op, temperature):
+    if not temperature > 0:
+        raise ValueError(f"kernels.{op}: temperature must be > 0, got {temperature}")
 
 
 def _grad_or_zeros(grad, like):
@@ -67,20 +73,22 @@ def logprobs_entropy(logits, targets, temperature=1.0):
     logits [..., V] any float dtype, targets [...] long (valid ids). Returns fp32 (logp, entropy)
     [...], both differentiable in logits.
     """
+    _check_temperature("logprobs_entropy", temperature)
     if not use_triton(logits):
         return reference.logprobs_entropy(logits, targets, temperature)
     V = logits.shape[-1]
     rows = logits.reshape(-1, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    logp, entropy = _LogprobsEntropy.apply(rows, _flat(targets, -1), float(temperature))
+    logp, entropy = _LogprobsEntropy.apply(rows, _flat(targets), float(temperature))
     return logp.view(targets.shape), entropy.view(targets.shape)
 
 
 # --- the same from hidden states, one chunk of logits at a time --------------------------------
 
-# The chunk's logits are ours (just computed from hidden @ weight.T), so both passes overwrite them:
-# in PyTorch the in-place ops keep the temporaries to about two chunks, as in the kernels to none.
+# The chunk's logits are ours (just computed from hidden @ weight.T), so they may be overwritten: the
+# Triton backward writes d logits over them, and the PyTorch versions work on them in place, which
+# keeps their temporaries to about two chunks.
 
 def _chunk_fwd(logits, targets, temperature):
     """(logp, entropy, xmax, logz) of one chunk of logits [c, V]; the kernel's math in PyTorch off-GPU."""
@@ -172,9 +180,13 @@ def linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, *, chunk_s
     d = hidden.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != d:
         raise ValueError(f"kernels.linear_logprobs_entropy: weight must be [V, {d}], got {list(weight.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"kernels.linear_logprobs_entropy: targets must be {list(hidden.shape[:-1])} "
+                         f"(hidden's leading dims), got {list(targets.shape)}")
+    _check_temperature("linear_logprobs_entropy", temperature)
     chunk_size = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
     logp, entropy = _LinearLogprobsEntropy.apply(
-        hidden.reshape(-1, d), weight, _flat(targets, -1), float(temperature),
+        hidden.reshape(-1, d), weight, _flat(targets), float(temperature),
         _autocast_dtype(hidden, weight), int(chunk_size))
     return logp.view(targets.shape), entropy.view(targets.shape)
 
@@ -214,6 +226,6 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *,
                                      dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef)
     if ref_logp is None or kl_coef == 0.0:
         ref_logp, kl_coef = None, 0.0
-    flat = [None if t is None else _flat(t.detach(), -1) for t in (old_logp, advantages, weights, ref_logp)]
-    outs = _PolicyLoss.apply(_flat(logp, -1), *flat, float(eps_low), float(eps_high), dual_clip, float(kl_coef))
+    flat = [None if t is None else _flat(t.detach()) for t in (old_logp, advantages, weights, ref_logp)]
+    outs = _PolicyLoss.apply(_flat(logp), *flat, float(eps_low), float(eps_high), dual_clip, float(kl_coef))
     return tuple(out.view(logp.shape) for out in outs)
