@@ -211,9 +211,14 @@ class _PolicyLoss(torch.autograd.Function):
 
 def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *,
                 weights=None, dual_clip=None, ref_logp=None, kl_coef=0.0):
-    """Per-token clipped surrogate; the definition (and of the clip indicators) is in
-    kernels.reference.policy_loss, which this matches. Returns fp32 loss, bool clipped_low,
-    bool clipped_high, all of logp's shape; only logp gets a gradient."""
+    """Per-token clipped surrogate, r = exp(logp - old_logp):
+
+        loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), capped at -dual_clip * A where A < 0,
+               times weights, plus kl_coef * k3(ref_logp, logp)   (kernels.reference.policy_loss)
+
+    Returns fp32 loss, bool clipped_low = (r < 1 - eps_low) & (A < 0) and bool clipped_high =
+    (r > 1 + eps_high) & (A > 0) (where the ratio clip cuts the gradient; the dual clip is not
+    counted), all of logp's shape. Only logp gets a gradient."""
     named = {"old_logp": old_logp, "advantages": advantages, "weights": weights, "ref_logp": ref_logp}
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != logp.shape:
