@@ -1,6 +1,14 @@
 """Shared test helpers: tiny random models of each architecture, saved by `transformers`."""
-import pytest
-import torch
+import os
+import shutil
+
+# Without a GPU, Triton kernels can only run in its interpreter, and that must be chosen before triton is
+# first imported (any test module importing `kernels` may be first). With a GPU the kernels run compiled.
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # One tiny config per architectural switch we support.
 TINY = {
