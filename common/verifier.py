@@ -2,8 +2,9 @@
 
     score(completion, answer) -> 1.0 if the completion's final answer equals `answer`, else 0.0
 
-1. Extract the final answer from the completion: the last \\boxed{...} (or \\fbox{...}, `\\boxed 5`),
-   else the text after the last `####`, else the last number.
+1. Extract the final answer from the completion: the last non-empty \\boxed{...} (or \\fbox{...},
+   `\\boxed 5`), else the text after the last `####`, else the last number. (Small models often
+   echo the prompt's empty `\\boxed{}` after writing the answer; an empty box is no answer.)
 2. Normalise both sides as text: LaTeX spacing, $ signs, \\text{}-style wrappers, \\left/\\right,
    units, degrees, percent, thousands separators, \\frac/\\sqrt shorthands, `x =` prefixes, ...
 3. Compare: equal strings, or equal numbers (integers, decimals, a/b, \\frac{a}{b}, mixed numbers;
@@ -67,9 +68,9 @@ def _last_boxed(s: str) -> str | None:
             j += 1
         if j < len(s) and s[j] == "{":
             pairs = _brace_pairs(s) if pairs is None else pairs
-            if j in pairs:
+            if j in pairs and s[j + 1 : pairs[j]].strip():
                 return s[j + 1 : pairs[j]]
-            continue  # unbalanced (e.g. a truncated completion): try the previous box
+            continue  # unbalanced (truncated) or empty (the prompt's `\boxed{}` echoed): skip it
         token = _TOKEN.match(s, j)  # `\boxed 5` form
         if token:
             return token.group(0)

@@ -38,6 +38,8 @@ def rows(rel: str) -> list[dict]:
     (r"the answer is \boxed 5$.", "5"),
     (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces are not structure
     (r"\boxed{3} and a truncated \boxed{4", "3"),  # unbalanced last box: fall back to the earlier one
+    ("Tom has 4 apples now.\nThe answer is \\boxed{}.", "4"),  # an echoed empty box is no answer
+    (r"\boxed{5} so \boxed{ }", "5"),
     ("She makes 9 * 2 = $18.\n#### 18", "18"),
     ("#### 1,234\n", "1,234"),
     ("3 + 4 = 7, so Tom has 7 apples.", "7"),
