@@ -27,7 +27,8 @@ REL_TOL = 1e-6  # tolerance for numbers that are not both integers (0.333333 vs 
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _TOKEN = re.compile(r"[^\s$]+")  # the argument of `\boxed 5`
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
-_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname)\s*\{([^{}]*)\}")
+_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname)"
+                      r"\s*\{([^{}]*)\}")
 _SPACING = re.compile(r"\\[,!;: ]|\\q?quad(?![a-zA-Z])|~")
 _DEGREES = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ|\\degrees?|°")
 _UNIT = re.compile(

@@ -160,6 +160,15 @@ def test_n_draws_a_seeded_sample(data_dir):
     assert len(load_task("arith", "train", n=7)) == 7
 
 
+def test_arith_levels_from_the_task_name():
+    assert {p.meta["level"] for p in load_task("arith:4,5", "train", n=50)} == {4, 5}
+    assert load_task("arith:1", "test", n=5) == arith_problems(5, "test", levels=(1,))
+    with pytest.raises(DataError, match="arith:1,1,2,3"):
+        load_task("arith:easy", "train")
+    with pytest.raises(DataError, match="levels"):
+        load_task("arith:9", "train")
+
+
 def test_load_task_from_a_path(tmp_path):
     path = write(tmp_path, [json.dumps({"prompt": f"Q{i}", "answer": str(i)}) for i in range(200)])
     every = load_task(str(path), "all")
