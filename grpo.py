@@ -26,7 +26,7 @@ from common import checkpoint, dist
 from common.config import check, main_guard, parse
 from common.evaluate import evaluate
 from common.logger import MetricsLog
-from common.model import Transformer
+from common.model import Transformer, compute_dtype
 from common.sampler import generate
 from common.tasks import format_question, load_task
 from common.tokenizer import Tokenizer
@@ -41,6 +41,7 @@ class Config:
     resume: bool = False  # continue runs/<run-name>/ from its last checkpoint
     seed: int = 0  # seeds data order, sampling and init; same seed on CPU = same run
     device: str = "auto"  # auto (cuda if available), cpu or cuda
+    dtype: str = "auto"  # matmul dtype: auto (bf16 on GPUs and CPUs with bf16 units, else float32), float32, bfloat16
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
@@ -77,7 +78,8 @@ class Config:
     save_every: int = 20  # checkpoint every N steps (and after the last)
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-               "device": ["auto", "cpu", "cuda"]}
+               "device": ["auto", "cpu", "cuda"],
+               "dtype": ["auto", "float32", "bfloat16"]}
 
 
 def validate(cfg: Config):
@@ -181,15 +183,16 @@ def main(argv=None):
     train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
     held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=cfg.seed)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(cfg.model)
-    on_gpu = device.type == "cuda"
+    dtype = compute_dtype(device, cfg.dtype)
     model = Transformer.from_pretrained(ckpt or cfg.model, device=device)  # fp32 master weights
     model.gradient_checkpointing = cfg.grad_checkpointing
     ref_model = None
     if cfg.kl_coef > 0:  # spec 6: the reference policy exists only when it is used
-        ref_model = Transformer.from_pretrained(cfg.model, device=device, dtype=torch.bfloat16 if on_gpu else None).eval()
-        ref_model.requires_grad_(False)
-    # under FSDP2 the trained weights are sharded; rollouts come from a whole copy refreshed after each update
-    rollout = copy.deepcopy(model) if cfg.fsdp and dist.is_distributed() else model
+        ref_model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval().requires_grad_(False)
+    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
+    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
+    rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (spec 8: warm-up, then constant)
@@ -203,7 +206,7 @@ def main(argv=None):
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     t_start = time.time()
@@ -219,11 +222,9 @@ def main(argv=None):
         # ---- 1. rollouts: B prompts x G completions from the current policy (spec 1)
         batch = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
         prompts = [tok.prompt(format_question(p)) for p in batch]
-        rollout.eval()
         with torch.no_grad(), autocast:
             groups = generate(rollout, prompts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
-        model.train()
         t_sample = time.time()
 
         # ---- 2-3. rewards and group advantages (spec 2, 3)
@@ -322,9 +323,10 @@ def main(argv=None):
                 last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
             log.log(step, last)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            optim_state = dist.optimizer_state(model, optimizer)  # a collective under FSDP2: every rank calls it
+            # fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them)
+            weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
             if dist.is_main():
-                checkpoint.save(ckpt_dir, rollout, optim_state, step, model_source=_model_dir(cfg.model),
+                checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
                                 extra={"config": asdict(cfg)})
             dist.barrier()
 

@@ -17,11 +17,13 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def save(ckpt_dir, model, optimizer_state: dict, step: int, model_source=None, extra: dict | None = None):
+def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model_source=None, extra: dict | None = None):
+    """model: the Transformer (for its config); weights: its full state dict; model_source: the folder the
+    run started from, whose tokenizer files are copied along."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt_dir.parent, prefix=ckpt_dir.name + ".tmp-"))
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     if model_source is not None:  # so that the folder is a complete model for `--model`
         for name in TOKENIZER_FILES:
             if (Path(model_source) / name).is_file():

@@ -58,7 +58,7 @@ def weights(run_dir):
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_two_processes_equal_one(tmp_path, tiny_model_dir, fsdp):
     argv = ["--model", str(tiny_model_dir), "--steps", "1", "--prompts-per-step", "4", "--group-size", "3",
-            "--micro-batch", "2", "--eval-size", "2", "--lr", "1e-3", "--warmup-steps", "1", "--train-size", "40"]
+            "--micro-batch", "2", "--eval-size", "2", "--lr", "1e-3", "--dtype", "float32", "--warmup-steps", "1", "--train-size", "40"]
     run_rank(0, 1, 0, argv + ["--run-name", "one"], tmp_path)
     mp.spawn(run_rank, args=(2, free_port(), argv + ["--run-name", "two"] + (["--fsdp"] if fsdp else []), tmp_path),
              nprocs=2, join=True)

@@ -141,7 +141,7 @@ def run_grpo(tmp_path, *args, check=True):
 
 
 TINY_RUN = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "3",
-            "--train-size", "50", "--micro-batch", "2", "--temperature", "1.0"]
+            "--train-size", "50", "--micro-batch", "2", "--temperature", "1.0", "--dtype", "float32"]
 
 
 def metrics(tmp_path, name):
@@ -184,7 +184,7 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     task = tmp_path / "digits.jsonl"
     task.write_text("".join(json.dumps({"prompt": f"Say {d}", "answer": str(d)}) + "\n" for d in list(range(10)) * 3))
     common = ["--model", str(digit_model_dir), "--task", str(task), "--prompts-per-step", "2", "--group-size", "8",
-              "--max-new-tokens", "1", "--eval-size", "3", "--micro-batch", "4", "--eval-every", "100", "--lr", "1e-2"]
+              "--max-new-tokens", "1", "--eval-size", "3", "--micro-batch", "4", "--eval-every", "100", "--lr", "1e-2", "--dtype", "float32"]
     run_grpo(tmp_path, *common, "--steps", "4", "--run-name", "full")
     run_grpo(tmp_path, *common, "--steps", "2", "--run-name", "cut")
     run_grpo(tmp_path, *common, "--steps", "4", "--run-name", "cut", "--resume")
