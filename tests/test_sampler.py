@@ -143,21 +143,48 @@ def test_top_k_1_is_greedy_and_samples_lie_in_top_k_top_p(tiny):
             assert (torch.where(probs > chosen, probs, 0).sum(-1) < top_p).all()
 
 
-def test_first_token_frequencies_match_softmax():
-    """Chi-square goodness of fit, many one-token samples of a vocab-16 model (fixed seed)."""
+def chi2_stat(counts, probs):
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a token outside the allowed set"
+    expected = counts.sum() * probs[keep]
+    return ((counts[keep] - expected) ** 2 / expected).sum().item(), int(keep.sum()) - 1
+
+
+# 0.999 quantiles of chi-square by degrees of freedom
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59, 11: 31.26,
+            12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 8, 0.8)])
+def test_first_token_frequencies_match_softmax(temperature, top_k, top_p):
+    """Chi-square goodness of fit of many one-token samples of a vocab-16 model (fixed seed), against the
+    softmax at that temperature, restricted to the top-k / top-p set and renormalised."""
     torch.manual_seed(0)
     cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16)
     model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)  # a peaked distribution, so that top-p cuts something
     prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        probs = model(torch.tensor([prompt]))[0, -1].softmax(-1)
+        logits = model(torch.tensor([prompt]))[0, -1].double()
+    probs = (logits / temperature).softmax(-1)
+    allowed = probs.clone()
+    order = allowed.argsort(descending=True)
+    if top_k:
+        allowed[order[top_k:]] = 0
+    if top_p < 1:
+        head = allowed[order]
+        cut = order[(head.cumsum(0) - head) >= top_p * head.sum()]
+        allowed[cut] = 0
     N = 20000
-    (group,) = generate(model, [prompt], n=N, max_new_tokens=1, temperature=1.0, stop_ids=(), seed=0)
+    (group,) = generate(model, [prompt], n=N, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                        stop_ids=(), seed=0)
     counts = torch.bincount(torch.tensor([s.tokens[0] for s in group]), minlength=16).double()
-    chi2 = ((counts - N * probs.double()) ** 2 / (N * probs.double())).sum().item()
-    assert chi2 < 37.7, chi2  # the 0.999 quantile of chi-square with 15 degrees of freedom
-    torch.testing.assert_close(group[0].logprobs[0], probs[group[0].tokens[0]].log())
+    chi2, dof = chi2_stat(counts, allowed / allowed.sum())
+    assert dof >= 1 and chi2 < CHI2_999[dof], (chi2, dof)
+    # the reported log-prob is of the untruncated softmax
+    torch.testing.assert_close(group[0].logprobs[0].double(), probs[group[0].tokens[0]].log(), atol=1e-5, rtol=1e-5)
 
 
 def test_seed_reproducible(tiny):
