@@ -21,6 +21,7 @@ top-k / top-p truncation: the distribution the trainer recomputes. temperature=0
 then they are those of the plain T=1 softmax.
 """
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 import torch.nn.functional as F
@@ -127,9 +128,11 @@ def decode_step_static(model, tok, pos, col, k_cache, v_cache, mask):
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         k_cache[i].index_copy_(2, col.view(1), k)
         v_cache[i].index_copy_(2, col.view(1), v)
-        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask[:, None, None],
-                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        x = x + att.o_proj(y.transpose(1, 2).reshape(B, 1, -1))
+        # grouped-query attention without repeating k/v: the query heads that share a kv head become that
+        # head's query rows (head h uses kv head h // groups), which every sdpa backend takes with a mask
+        q = q.view(B, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, kv_heads, groups, head_dim]
+        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask[:, None, None])
+        x = x + att.o_proj(y.reshape(B, 1, -1))
         x = x + block.mlp(block.post_attention_layernorm(x))
     return model.norm(x)[:, 0]
 
@@ -260,6 +263,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
                     keep = drop_rows(cache, done, col)
                     rows, tok, pos, mask, done = rows[keep], tok[keep], pos[keep], mask[keep], done[keep]
             if compile:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
                 h = step_fn(model, tok, pos, col_t, cache.k, cache.v, mask)
                 col_t += 1
             else:
@@ -313,7 +317,7 @@ def _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p,
     V = model.cfg.vocab_size
 
     def ids_ok(seq, what):
-        if not all(isinstance(t, int) and 0 <= t < V for t in seq):
+        if not all(isinstance(t, Integral) and 0 <= t < V for t in seq):
             raise ValueError(f"generate: {what} must hold token ids in [0, {V}), got {list(seq)[:8]}...")
 
     if not isinstance(prompts, (list, tuple)):
