@@ -47,8 +47,8 @@ class Config:
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
     train_size: int = 2000  # problems generated for arith (ignored for data files)
     # rollouts (spec 1)
-    steps: int = 40  # training steps
-    prompts_per_step: int = 16  # B: prompts per step (across all ranks)
+    steps: int = 15  # training steps
+    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
     max_new_tokens: int = 96  # L_max: completion budget in tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
@@ -65,17 +65,17 @@ class Config:
     mini_batches: int = 1  # M: optimizer steps per epoch
     micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer (spec 8)
-    lr: float = 2e-5  # AdamW learning rate after warm-up
+    lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
-    eval_every: int = 20  # evaluate every N steps (and before step 1 and after the last)
-    eval_size: int = 200  # held-out problems per evaluation
+    eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
+    eval_size: int = 100  # held-out problems per evaluation
     eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
-    save_every: int = 20  # checkpoint every N steps (and after the last)
+    save_every: int = 15  # checkpoint every N steps (and after the last)
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                "device": ["auto", "cpu", "cuda"],
