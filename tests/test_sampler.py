@@ -92,6 +92,17 @@ def test_logprobs_entropies_equal_full_forward_with_per_prompt_n(tiny):
     check_scores(model, prompts, groups, 0.7)
 
 
+def test_duplicate_prompts_and_max_new_tokens_0(tiny):
+    model, _ = tiny["llama-gqa"]
+    p, q = rand_prompts([6, 9], seed=11)
+    groups = generate(model, [p, q, p], n=[1, 1, 2], max_new_tokens=10, temperature=0, stop_ids=())
+    alone = generate(model, [p], max_new_tokens=10, temperature=0, stop_ids=())[0][0].tokens
+    assert groups[0][0].tokens == groups[2][0].tokens == groups[2][1].tokens == alone
+    # nothing generated: only the prefix, scored
+    (s,), = generate(model, [p], max_new_tokens=0, prefixes=[[4, 5]], stop_ids=())
+    assert s.tokens == [4, 5] and not s.finished and len(s.logprobs) == 2
+
+
 def test_stop_tokens_and_truncation(tiny):
     model, _ = tiny["llama-gqa"]
     prompts = rand_prompts([6, 3], seed=3)
