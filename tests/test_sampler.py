@@ -10,6 +10,16 @@ from common.sampler import generate
 KINDS = ["llama-gqa", "llama-tied", "qwen2", "qwen3"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: a second thread buys little, and on a shared machine OpenMP barriers with an
+    oversubscribed core made this file 10x slower (80-140 s instead of 14 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """kind -> (our model, the transformers model it was saved from), built once per module."""
