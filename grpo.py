@@ -91,6 +91,8 @@ def validate(cfg: Config):
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0, "lr/kl_coef", "lr > 0 and kl_coef >= 0")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
+    # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
     check(cfg.prompts_per_step // dist.world() * cfg.group_size % cfg.mini_batches == 0, "mini_batches",
           "a divisor of the completions per step on each rank (prompts_per_step / world * group_size)")
 
@@ -105,9 +107,9 @@ def group_advantages(rewards: torch.Tensor, norm: str) -> torch.Tensor:
     return centred / (rewards.std(dim=1, keepdim=True) + 1e-6)  # unbiased std, as DeepSeekMath's reference
 
 
-def reward_of(text: str, answer: str, format_reward: float) -> float:
-    boxed = format_reward and "\\boxed" in text and extract_answer(text) is not None
-    return score(text, answer) + (format_reward if boxed else 0.0)
+def boxed(text: str) -> bool:
+    """The optional format term (spec 2): the completion uses \\boxed and an answer can be read from it."""
+    return "\\boxed" in text and extract_answer(text) is not None
 
 
 # ---------------------------------------------------------------------------- batch and token weights
@@ -229,8 +231,8 @@ def main(argv=None):
 
         # ---- 2-3. rewards and group advantages (spec 2, 3)
         texts = [[tok.decode(s.tokens, skip_special=True) for s in g] for g in groups]
-        rewards = torch.tensor([[reward_of(t, p.answer, cfg.format_reward) for t in ts] for ts, p in zip(texts, batch)])
-        correct = torch.tensor([[score(t, p.answer) for t in ts] for ts, p in zip(texts, batch)])
+        correct = torch.tensor([[score(t, p.answer) for t in ts] for ts, p in zip(texts, batch)])  # [B, G]
+        rewards = correct + cfg.format_reward * torch.tensor([[float(boxed(t)) for t in ts] for ts in texts])
         adv = group_advantages(rewards, cfg.adv_norm)  # [B, G]
         zero_var = rewards.std(dim=1) == 0
         keep = ~zero_var if cfg.dynamic_sampling else torch.ones(B, dtype=torch.bool)  # spec 4

@@ -40,7 +40,7 @@ def run_rank(rank, world, port, argv, out_dir):
     import grpo
 
     grpo.generate = common.evaluate.generate = fixed_generate
-    grpo.reward_of = lambda text, answer, fmt: float(len(text) % 3 == 0)  # mixed, deterministic rewards
+    grpo.score = lambda text, answer: float(len(text) % 3 == 0)  # mixed, deterministic rewards
     grpo.main(argv)
 
 

@@ -226,3 +226,15 @@ def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
     r = run_grpo(tmp_path, "--model", str(tiny_model_dir), "--run-name", "taken", *TINY_RUN, check=False)
     assert r.returncode == 2 and "--resume" in r.stderr
     assert (tmp_path / "runs" / "taken" / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_evaluate_command_line(tmp_path, tiny_model_dir):
+    """python -m common.evaluate: greedy accuracy, pass@k and maj@k lines on a data file."""
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "common.evaluate", "--model", str(tiny_model_dir), "--data", "p.jsonl",
+                        "--split", "all", "--samples", "4", "--max-new-tokens", "4"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for key in ("greedy_acc", "maj@4", "pass@1", "pass@2", "pass@4"):
+        assert key in r.stdout, r.stdout

@@ -280,7 +280,7 @@ def test_static_decode_step_equals_eager(tiny, monkeypatch):
     check_scores(model, prompts, generate(model, prompts, temperature=0.9, compile=True, **kw), 0.9)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled CUDA-graph decode step only runs on a GPU; CI has none")
 def test_compiled_bf16_cuda_runs(tiny):
     model = tiny["llama-gqa"][0]
     model = Transformer(model.cfg).to("cuda", torch.bfloat16).eval()
