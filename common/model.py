@@ -186,11 +186,20 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None:  # write in place, then attend over the filled part only
+        if cache is not None and torch.is_tensor(start):  # fixed shapes (a compiled decode step): the whole cache
+            cache.k[layer].index_copy_(2, start.view(1), k)
+            cache.v[layer].index_copy_(2, start.view(1), v)
+            k, v = cache.k[layer], cache.v[layer]
+        elif cache is not None:  # write in place, then attend over the filled part only
             cache.k[layer, :, :, start:start + T] = k
             cache.v[layer, :, :, start:start + T] = v
             k, v = cache.k[layer, :, :, :start + T], cache.v[layer, :, :, :start + T]
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        if T == 1 and groups > 1:
+            # one query per row: the query heads that share a kv head become that head's query rows
+            # (head h uses kv head h // groups), so k/v are never repeated and any sdpa backend takes the mask
+            y = F.scaled_dot_product_attention(q.view(B, self.cfg.num_kv_heads, groups, hd), k, v, attn_mask=mask)
+            return self.o_proj(y.reshape(B, 1, -1))
         if groups > 1 and not _GQA_KWARG:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         gqa = {"enable_gqa": groups > 1} if _GQA_KWARG else {}
@@ -248,7 +257,8 @@ class Transformer(nn.Module):
           without padding, leave it None: attention is plain causal.
         positions: [B, T] rope positions; by default counted over real tokens only (so padding shifts nothing).
         cache, start: a KVCache; these T tokens are written at columns start..start+T-1 and attend to all
-          filled columns before them.
+          filled columns before them. A 0-dim tensor `start` (T = 1, positions and a whole-cache
+          attention_mask given) keeps every shape fixed, for a compiled decode step (CUDA graphs).
         targets, target_mask: [B, T] ids and bool; if given, return (logp, entropy) [n] fp32 of the targets at the
           masked positions under softmax(logits / temperature), through the fused LM-head kernel that never
           holds the whole [tokens, vocab] logits. It is done inside forward so that DDP / FSDP see the head's use.
@@ -256,7 +266,9 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         dev = input_ids.device
         mask = None
-        if attention_mask is not None:
+        if torch.is_tensor(start):  # a compiled one-token step: attention_mask [B, max_len] marks the live columns
+            mask = attention_mask[:, None, None, :]
+        elif attention_mask is not None:
             valid = attention_mask.bool()
             if positions is None:
                 positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]

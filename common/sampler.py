@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 import torch
-import torch.nn.functional as F
 
-from common.model import apply_rope
 
 
 @dataclass
@@ -108,33 +106,12 @@ def decode_step(model, tok, pos, cache, col, mask):
     return model(tok[:, None], attention_mask=m, positions=pos[:, None], cache=cache, start=col, return_hidden=True)[:, 0]
 
 
-def decode_step_static(model, tok, pos, col, k_cache, v_cache, mask):
+def decode_step_static(model, tok, pos, col, cache, mask):
     """decode_step with fixed shapes, for torch.compile(mode="reduce-overhead") (CUDA graphs): `col` is a
-    0-dim tensor, attention runs over the whole cache with mask [B, max_len] (set here at `col`).
-    The same math as common.model's Attention, with the cache write done by index_copy_."""
-    cfg, B = model.cfg, tok.shape[0]
+    0-dim tensor and attention runs over the whole cache with mask [B, max_len], set here at `col`."""
     mask.index_fill_(1, col.view(1), True)
-    x = model.embed_tokens(tok[:, None])  # [B, 1, d]
-    angles = pos[:, None].float() * model.inv_freq.to(x.device)
-    angles = torch.cat((angles, angles), -1)[:, None, None]  # [B, 1, 1, head_dim]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    for i, block in enumerate(model.layers):
-        att, h = block.self_attn, block.input_layernorm(x)
-        q = att.q_proj(h).view(B, 1, -1, cfg.head_dim)
-        k = att.k_proj(h).view(B, 1, -1, cfg.head_dim)
-        v = att.v_proj(h).view(B, 1, -1, cfg.head_dim).transpose(1, 2)
-        if cfg.qk_norm:
-            q, k = att.q_norm(q), att.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        k_cache[i].index_copy_(2, col.view(1), k)
-        v_cache[i].index_copy_(2, col.view(1), v)
-        # grouped-query attention without repeating k/v: the query heads that share a kv head become that
-        # head's query rows (head h uses kv head h // groups), which every sdpa backend takes with a mask
-        q = q.view(B, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, kv_heads, groups, head_dim]
-        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask[:, None, None])
-        x = x + att.o_proj(y.reshape(B, 1, -1))
-        x = x + block.mlp(block.post_attention_layernorm(x))
-    return model.norm(x)[:, 0]
+    return model(tok[:, None], attention_mask=mask, positions=pos[:, None], cache=cache, start=col,
+                 return_hidden=True)[:, 0]
 
 
 def drop_rows(cache, done, filled):
@@ -264,7 +241,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
                     rows, tok, pos, mask, done = rows[keep], tok[keep], pos[keep], mask[keep], done[keep]
             if compile:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
-                h = step_fn(model, tok, pos, col_t, cache.k, cache.v, mask)
+                h = step_fn(model, tok, pos, col_t, cache, mask)
                 col_t += 1
             else:
                 mask[:, col] = True
