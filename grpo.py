@@ -149,10 +149,12 @@ def token_logprobs(model, ids, mask, temperature):
 def step_prompts(train, step, n, seed):
     """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
     (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
-    out = []
+    out, perms = [], {}
     for g in range((step - 1) * n, step * n):
         epoch, i = divmod(g, len(train))
-        out.append(train[int(torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))[i])])
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        out.append(train[int(perms[epoch][i])])
     return out
 
 
