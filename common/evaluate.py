@@ -1,7 +1,7 @@
 """Evaluation: greedy accuracy, pass@k (unbiased) and majority@k over sampled completions.
 
     python -m common.evaluate --model smollm2 --data gsm8k --split test --limit 200 --samples 8
-    python -m common.evaluate --model runs/grpo/checkpoint --data ../shared/data/math500/test.jsonl --split all
+    python -m common.evaluate --model runs/grpo/checkpoint --data math500 --split all   # or --data my.jsonl
 
 Under torchrun every rank scores its share of the problems and the counts are summed.
 """

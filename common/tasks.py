@@ -2,7 +2,7 @@
 
     load_task("arith", "train", n=512, seed=0)     # built-in generated arithmetic word problems
     load_task("arith:1,2,2,4", "test", n=200)      # the same with another mix of levels 1..5
-    load_task("gsm8k", "test")                     # the data files of shared/data (see its README)
+    load_task("gsm8k", "test")                     # the project's data/ folder (see data/README.md)
     load_task("my_problems.jsonl", "train")        # any JSON-lines file in one of those formats
 
 Splits. "arith" draws train and test problems from disjoint halves of the problem space (a hash of
@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[1] / "data"  # shipped with the project; any working directory
 FILES = {  # task name -> data file per split, relative to the data folder
     "gsm8k": {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"},
     "math500": {"all": "math500/test.jsonl"},
@@ -187,9 +187,9 @@ def load_jsonl(path) -> list[Problem]:
 
 
 def data_dirs() -> list[Path]:
-    """Where the named tasks' files are looked for, in order."""
+    """Where the named tasks' files are looked for, in order: $RLVR_DATA_DIR if set, then data/."""
     env = os.environ.get("RLVR_DATA_DIR")
-    return ([Path(env)] if env else []) + [REPO.parent / "shared" / "data", REPO / "data"]
+    return ([Path(env)] if env else []) + [DATA]
 
 
 def _find(rel: str, task: str) -> Path:

@@ -1,11 +1,10 @@
 """common.tasks: the generated arith task, the JSONL formats and their errors, load_task.
 
-The named-task tests read shared/data (a sibling of the repo, or $RLVR_DATA_DIR) and fail, not skip,
-when it is missing: CI always has it.
+The named-task tests read the project's data/ folder (shipped in the repository, see data/README.md),
+whatever $RLVR_DATA_DIR says, and fail, never skip, if a file is missing.
 """
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -16,14 +15,14 @@ from common.tasks import DataError, Problem, arith_problems, format_question, lo
 from common.verifier import score
 
 
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
 @pytest.fixture
 def data_dir(monkeypatch) -> Path:
-    env = os.environ.get("RLVR_DATA_DIR")
-    d = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    assert (d / "gsm8k" / "train.jsonl").is_file(), (
-        f"real data not found at {d}: put shared/data beside the repo or set RLVR_DATA_DIR")
-    monkeypatch.setenv("RLVR_DATA_DIR", str(d))
-    return d
+    monkeypatch.delenv("RLVR_DATA_DIR", raising=False)  # the shipped files, not a user's folder
+    assert tasks.data_dirs() == [DATA]
+    return DATA
 
 
 def write(tmp_path, lines: list[str]) -> Path:
@@ -133,7 +132,7 @@ def test_unknown_task():
         load_task("gsm9k", "train")
 
 
-def test_named_tasks_load_shared_data(data_dir):
+def test_named_tasks_load_shipped_data(data_dir):
     sizes = {("gsm8k", "train"): 7473, ("gsm8k", "test"): 1319, ("math500", "all"): 500,
              ("aime24", "all"): 30, ("amc23", "all"): 40}
     for (name, split), size in sizes.items():
@@ -143,6 +142,13 @@ def test_named_tasks_load_shared_data(data_dir):
     assert load_task("gsm8k", "test")[0].answer == "18"
     assert load_task("amc23", "all")[0].answer == "27"  # 27.0 in the file
     assert len(load_task("gsm8k", "all")) == 7473 + 1319
+    for folder in ("gsm8k", "math500"):  # MIT: the notice travels with the files
+        assert "MIT License" in (data_dir / folder / "LICENSE").read_text()
+
+
+def test_named_tasks_load_from_any_working_directory(data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert len(load_task("amc23", "all")) == 40
 
 
 def test_single_split_files_are_hash_split(data_dir):
