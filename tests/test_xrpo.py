@@ -1,0 +1,277 @@
+"""XRPO: the allocator, ICL seeding, the corpus, novelty sharpening, and the loop (properties 1-13 of the
+method's test list: the numbers in the test names)."""
+import math
+import random
+
+import pytest
+import torch
+
+import xrpo
+from common.model import Transformer
+from common.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return Tokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return Transformer.from_pretrained(tiny_model_dir).eval()
+
+
+# ------------------------------------------------------------------------------------ 1-6: the allocator
+
+@pytest.mark.parametrize("p,dof,value", [
+    (0.975, 3, 3.1824), (0.975, 4, 2.7764), (0.975, 7, 2.3646),  # the three of property 1
+    (0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 10, 2.2281), (0.975, 30, 2.0423),
+    (0.95, 5, 2.0150), (0.995, 20, 2.8453), (0.9, 1, 3.0777), (0.025, 3, -3.1824)])
+def test_1_t_quantile_known_values(p, dof, value):
+    assert xrpo.t_quantile(p, dof) == pytest.approx(value, abs=1e-3)
+
+
+def test_1_t_quantile_tends_to_the_normal():
+    assert xrpo.t_quantile(0.975, 2000) == pytest.approx(1.95996, abs=2e-3)
+    assert xrpo.t_quantile(0.5, 6) == pytest.approx(0.0, abs=1e-12)
+    qs = [xrpo.t_quantile(0.975, d) for d in range(1, 60)]
+    assert all(a > b for a, b in zip(qs, qs[1:]))  # heavier tails with fewer degrees of freedom
+
+
+def test_2_delta_shape():
+    assert xrpo.ci_shrink(0.0, 5, 0.95) == 0.0
+    assert xrpo.ci_shrink(0.5, 1, 0.95) == 0.0  # t with 0 degrees of freedom: undefined, defined as 0
+    deltas = [xrpo.ci_shrink(0.4, n, 0.95) for n in range(2, 40)]
+    assert all(d > 0 for d in deltas)
+    assert all(a > b for a, b in zip(deltas, deltas[1:]))  # strictly decreasing in n
+    for n in (2, 4, 9):  # linear in s
+        assert xrpo.ci_shrink(0.3, n, 0.95) * 2 == pytest.approx(xrpo.ci_shrink(0.6, n, 0.95), rel=1e-12)
+
+
+def test_3_magnitudes():
+    assert xrpo.ci_shrink(0.5774, 4, 0.95) == pytest.approx(0.2018, abs=5e-4)
+    assert xrpo.explore_bonus(0.1, 32, 4) == pytest.approx(0.0935, abs=5e-4)
+    # the rewards [1, 1, 0, 0] have exactly that std; their priority is the sum
+    pri = xrpo.priorities([[1, 1, 0, 0]], 32, 0.1, 0.95)[0]
+    assert pri == pytest.approx(0.2018 + 0.0935, abs=1e-3)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_4_equal_prompts_share_evenly(greedy):
+    for B, T in [(8, 16), (5, 13), (3, 2), (16, 32)]:
+        got = xrpo.allocate([[1, 0, 0, 1]] * B, T, 0.1, 0.95, greedy=greedy)
+        assert sum(got) == T and max(got) - min(got) <= 1
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_5_integer_budget_and_monotone_in_std(greedy):
+    rng = random.Random(0)
+    for _ in range(60):
+        B, n, T = rng.randint(1, 10), rng.randint(2, 8), rng.randint(0, 40)
+        rewards = [[float(rng.random() < rng.random()) for _ in range(n)] for _ in range(B)]
+        lam = rng.choice([0.0, 0.1, 0.5])
+        got = xrpo.allocate(rewards, T, lam, 0.95, greedy=greedy)
+        assert all(isinstance(g, int) and g >= 0 for g in got) and sum(got) == T
+        std = [torch.tensor(r).std().item() for r in rewards]
+        for a in range(B):
+            for b in range(B):
+                if std[a] > std[b] + 1e-9:
+                    assert got[a] >= got[b], (rewards, got)
+
+
+def test_5_uneven_when_stds_differ():
+    got = xrpo.allocate([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], 16, 0.1, 0.95)
+    assert sum(got) == 16 and got[0] > got[1] and got[1] == got[2] and got[3] > got[1]
+
+
+def test_6_lambda_zero_and_positive():
+    rewards = [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 1]]
+    for greedy in (False, True):
+        got = xrpo.allocate(rewards, 13, 0.0, 0.95, greedy=greedy)
+        assert got[1] == 0 and got[2] == 0 and sum(got) == 13
+    assert all(p > 0 for p in xrpo.priorities(rewards, 13, 0.1, 0.95))  # every raw share T·Π/ΣΠ > 0
+    assert xrpo.allocate([[0, 0, 0]] * 4, 6, 0.0, 0.95) in ([2, 2, 1, 1],)  # nothing ranks them: even split
+
+
+def test_round_budgets_put_the_remainder_last():
+    assert xrpo.round_budgets(32, 2) == [16, 16]
+    assert xrpo.round_budgets(33, 2) == [16, 17]
+    assert xrpo.round_budgets(5, 3) == [1, 1, 3]
+    assert xrpo.round_budgets(0, 0) == [] and xrpo.round_budgets(0, 2) == [0, 0]
+
+
+# -------------------------------------------------------------------------- 7-8: ICL seeding, the corpus
+
+PROBLEMS = ["Tom has 3 apples and buys 4 more. How many apples?", "What is 12 + 30?",
+            "Anna has 5 coins and finds 2 more. How many coins?", "What is 7 * 8 - 3?"]
+
+
+@pytest.fixture
+def corpus(tiny, tok):
+    c = xrpo.Corpus()
+    c.embed_new(tiny, tok, PROBLEMS)
+    return c
+
+
+def test_7_trigger_exemplars_and_fallback(corpus, tok):
+    plain = [tok.prompt(p) for p in PROBLEMS]
+    alloc = [2, 2, 2, 2]
+    # empty corpus: every context is the plain prompt, identical
+    ctx = xrpo.round_contexts(tok, PROBLEMS, plain, [[0, 0]] * 4, alloc, corpus, 2, 1024)
+    assert all(ids == p and not is_icl for (ids, is_icl), p in zip(ctx, plain))
+    xrpo.update_corpus(corpus, PROBLEMS, [["a \\boxed{7}"], ["b \\boxed{42}"], ["c \\boxed{7}"], ["d \\boxed{53}"]],
+                       [[1], [1], [1], [0]])
+    correct = [[0, 1], [0, 0], [0, 0], [0, 0]]
+    ctx = xrpo.round_contexts(tok, PROBLEMS, plain, correct, alloc, corpus, 2, 1024)
+    assert ctx[0] == (plain[0], False)  # a prompt with a correct rollout is never seeded
+    for q in (1, 2, 3):
+        ids, is_icl = ctx[q]
+        text = tok.decode(ids)
+        assert is_icl and text.count("<example id=") <= 2 and f"<new_problem>{PROBLEMS[q]}</new_problem>" in text
+        assert PROBLEMS[q] not in text.replace(f"<new_problem>{PROBLEMS[q]}</new_problem>", "")  # never q itself
+    assert tok.decode(ctx[1][0]).count("<example id=") == 2
+    # the only solved problems are 0 and 2: problem 2's examples can only be problem 0's (and 1's)
+    assert "c \\boxed{7}" not in tok.decode(ctx[2][0])
+    # ICL switched off, or no rollouts this round: plain
+    off = xrpo.round_contexts(tok, PROBLEMS, plain, correct, alloc, corpus, 2, 1024, icl=False)
+    assert all(not is_icl for _, is_icl in off)
+    assert xrpo.round_contexts(tok, PROBLEMS, plain, correct, [2, 0, 2, 2], corpus, 2, 1024)[1] == (plain[1], False)
+
+
+def test_7_layout_and_k(corpus, tok):
+    shots = [("P1", "S1"), ("P2", "S2")]
+    text = xrpo.icl_question("NEW", shots)
+    order = [text.index(t) for t in ("<task>", "</task>", "<examples>", '<example id="1">', "<problem>P1</problem>",
+                                     "<solution>S1</solution>", '<example id="2">', "</examples>",
+                                     "<new_problem>NEW</new_problem>")]
+    assert order == sorted(order)
+    xrpo.update_corpus(corpus, PROBLEMS[1:], [["x"], ["y"], ["z"]], [[1], [1], [1]])
+    assert len(corpus.neighbours(PROBLEMS[0], 2)) == 2 and len(corpus.neighbours(PROBLEMS[0], 5)) == 3
+    assert PROBLEMS[0] not in corpus.neighbours(PROBLEMS[0], 5)
+    assert PROBLEMS[1] not in corpus.neighbours(PROBLEMS[1], 5)
+
+
+def test_7_neighbours_ranked_by_cosine():
+    c = xrpo.Corpus()
+    c.vectors = {"q": torch.tensor([1.0, 0.0]), "near": torch.tensor([0.8, 0.6]), "far": torch.tensor([0.0, 1.0]),
+                 "mid": torch.tensor([0.6, 0.8])}
+    for p in ("far", "mid", "near"):
+        c.add(p, f"sol of {p}")
+    assert c.neighbours("q", 3) == ["near", "mid", "far"]
+    assert c.exemplars("q", 1) == [("near", "sol of near")]
+
+
+def test_7_truncation_keeps_head_and_answer(tok):
+    long = "Step one. " * 200 + "So the answer is \\boxed{17}."
+    cut = xrpo.truncate_solution(tok, long, 40)
+    assert cut.startswith("Step one.") and cut.endswith("\\boxed{17}.") and len(tok.encode(cut)) <= 48
+    assert xrpo.truncate_solution(tok, "short \\boxed{1}", 40) == "short \\boxed{1}"
+    shots = [("Problem A", long), ("Problem B", long)]
+    full = len(tok.prompt(xrpo.icl_question("NEW", shots)))
+    ids = xrpo.icl_prompt(tok, "NEW", shots, max_len=300)
+    assert full > 300 and len(ids) <= 300
+    text = tok.decode(ids)
+    assert text.count("<example id=") == 2 and text.count("\\boxed{17}") == 2  # both kept, both shortened
+    one = tok.decode(xrpo.icl_prompt(tok, "NEW", shots, max_len=180))
+    assert one.count("<example id=") == 1  # too tight for two: the second is dropped
+    assert xrpo.icl_prompt(tok, "NEW", shots, max_len=60) is None  # nothing fits: the caller uses the plain prompt
+
+
+def test_8_corpus_update_adds_exactly_the_correct():
+    c = xrpo.Corpus(per_problem=3)
+    sizes = [0]
+    rng = random.Random(1)
+    for step in range(6):
+        texts = [[f"s{step}-{q}-{i}" for i in range(4)] for q in range(3)]
+        correct = [[float(rng.random() < 0.4) for _ in range(4)] for _ in range(3)]
+        before = {p: list(v) for p, v in c.solutions.items()}
+        xrpo.update_corpus(c, ["p0", "p1", "p2"], texts, correct)
+        for q in range(3):
+            added = [t for t, r in zip(texts[q], correct[q]) if r == 1]
+            assert c.solutions.get(f"p{q}", []) == (before.get(f"p{q}", []) + added)[-3:]
+            assert not any(t in c.solutions.get(f"p{q}", []) for t, r in zip(texts[q], correct[q]) if r == 0)
+        sizes.append(c.size())
+    assert all(a <= b for a, b in zip(sizes, sizes[1:]))  # non-decreasing (the per-problem cap only replaces)
+    assert sizes[-1] > 0
+
+
+def test_corpus_keeps_the_answer_after_thinking():
+    c = xrpo.Corpus()
+    c.add("p", "<think>long musing</think>\n The sum is \\boxed{5}.")
+    assert c.solutions["p"] == ["The sum is \\boxed{5}."]
+
+
+def test_corpus_state_round_trip(corpus):
+    xrpo.update_corpus(corpus, PROBLEMS, [["a"], ["b"], ["c"], ["d"]], [[1], [0], [1], [1]])
+    again = xrpo.Corpus()
+    again.load_state_dict(corpus.state_dict())
+    assert again.solutions == corpus.solutions
+    assert all(torch.equal(again.vectors[p], corpus.vectors[p]) for p in corpus.vectors)
+    assert again.exemplars(PROBLEMS[1], 2) == corpus.exemplars(PROBLEMS[1], 2)
+
+
+def test_embedding_on_first_sight_equals_all_at_once(tiny, tok):
+    lazy, eager = xrpo.Corpus(), xrpo.Corpus()
+    lazy.embed_new(tiny, tok, PROBLEMS[:2])
+    lazy.embed_new(tiny, tok, PROBLEMS[1:])
+    eager.embed_new(tiny, tok, PROBLEMS)
+    for p in PROBLEMS:
+        torch.testing.assert_close(lazy.vectors[p], eager.vectors[p], atol=1e-5, rtol=1e-5)
+        assert lazy.vectors[p].norm().item() == pytest.approx(1.0, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------- 10-11: sharpening
+
+def toy_group():
+    adv = torch.tensor([0.9, 0.9, 0.9, -1.1, -1.1, 0.0, 0.0, 0.0])
+    correct = torch.tensor([1, 1, 1, 0, 0, 1, 1, 1])
+    score = torch.tensor([-2.0, -0.2, -0.6, -3.0, -0.1, -1.0, -0.1, -0.5])
+    group = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])
+    return adv, correct, score, group
+
+
+def test_10_sharpening_properties():
+    adv, correct, score, group = toy_group()
+    new, bonus = xrpo.sharpen(adv, correct, score, group, 2.5, 0.5)
+    assert torch.equal(new[correct == 0], adv[correct == 0])  # wrong rollouts untouched
+    assert (new >= adv).all() and (bonus <= 0.5 * adv.clamp(min=0) + 1e-7).all()
+    s_bar = score[:5].mean()
+    assert torch.equal(new[:3][score[:3] >= s_bar], adv[:3][score[:3] >= s_bar])  # η >= 1: unchanged
+    assert bonus[0] > 0  # the least likely correct rollout of group 0 is novel: boosted
+    assert torch.equal(new[5:], adv[5:])  # all-correct group: A = 0, cap 0, no bonus (literal eq. 6)
+    # the literal value on rollout 0: min(max(2.5 (1 - exp(s - s̄)), 0), 0.5 A)
+    expect = min(max(2.5 * (1 - math.exp(score[0].item() - s_bar.item())), 0), 0.5 * 0.9)
+    assert new[0].item() == pytest.approx(0.9 + expect, rel=1e-6)
+    # the option: all-correct groups get bonuses capped at κ
+    alt, alt_bonus = xrpo.sharpen(adv, correct, score, group, 2.5, 0.5, all_correct_cap=True)
+    assert alt_bonus[5] > 0 and alt_bonus[6] == 0 and (alt_bonus[5:] <= 0.5).all()
+    assert torch.equal(alt[:5], new[:5])
+    # λ_nov = 0: nothing changes
+    assert torch.equal(xrpo.sharpen(adv, correct, score, group, 0.0, 0.5)[0], adv)
+
+
+def test_10_small_lambda_is_below_the_cap():
+    adv, correct, score, group = toy_group()
+    _, bonus = xrpo.sharpen(adv, correct, score, group, 0.01, 0.5)
+    eta = torch.exp(score[0] - score[:5].mean())
+    assert bonus[0].item() == pytest.approx(0.01 * (1 - eta.item()), rel=1e-5)
+
+
+def test_11_novelty_invariances():
+    torch.manual_seed(0)
+    lengths = torch.tensor([3, 5, 2, 4])
+    token_logp = -torch.rand(int(lengths.sum())) * 3
+    group = torch.tensor([0, 0, 0, 0])
+    correct = torch.tensor([1, 1, 0, 1])
+    adv = torch.tensor([0.5, 0.5, -1.5, 0.5])
+    score = xrpo.sequence_scores(token_logp, lengths)
+    shifted = xrpo.sequence_scores(token_logp - 0.7, lengths)  # same constant on every token of every rollout
+    a, _ = xrpo.sharpen(adv, correct, score, group, 2.5, 0.5)
+    b, _ = xrpo.sharpen(adv, correct, shifted, group, 2.5, 0.5)
+    torch.testing.assert_close(a, b)
+    # length normalisation: repeating a sequence's per-token log-probs leaves s unchanged
+    parts = list(token_logp.split(lengths.tolist()))
+    parts[1] = parts[1].repeat(3)
+    repeated = xrpo.sequence_scores(torch.cat(parts), torch.tensor([3, 15, 2, 4]))
+    torch.testing.assert_close(repeated, score)
+    torch.testing.assert_close(score[0], token_logp[:3].mean())
