@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """An impossible option; the message names the option and what was expected."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (e.g. diverged); the message is one line and says what is kept."""
+
+
 def _field_comments(cls) -> dict:
     src = inspect.getsource(cls)
     return dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.*)$", src, re.M))
@@ -62,6 +66,9 @@ def main_guard(main):
     except (ConfigError, ModelError, DataError) as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
+    except RunError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted: the last checkpoint is intact; rerun with --resume to continue\n")
         sys.exit(130)

@@ -60,18 +60,19 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def reduce_metrics(metrics: dict, sums=()) -> dict:
-    """Average metrics over ranks (values in `sums` are added instead; max_* are maxed)."""
+def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
+    """Combine per-rank metrics: those named in `sums` are added (totals, throughput), those in `maxes` are
+    maxed, the rest averaged over ranks."""
     if not is_distributed():
         return metrics
     keys = sorted(metrics)
     vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    maxed = torch.tensor([float(metrics[k]) if "max" in k else float("-inf") for k in keys], dtype=torch.float64)
+    maxed = torch.tensor([float(metrics[k]) if k in maxes else float("-inf") for k in keys], dtype=torch.float64)
     td.all_reduce(vals)
     td.all_reduce(maxed, op=td.ReduceOp.MAX)
     out = {}
     for i, k in enumerate(keys):
-        out[k] = maxed[i].item() if "max" in k else vals[i].item() / (1 if k in sums else world())
+        out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else world())
     return out
 
 

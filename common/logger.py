@@ -14,8 +14,10 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         if enabled and resume_step is not None and self.path.exists():
-            # a resumed run continues after its checkpoint: lines a crash left beyond it are dropped
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            # a resumed run continues after its checkpoint: lines a crash left beyond it are dropped, and so is
+            # a line torn by a crash in the middle of a write
+            rows = [(line, _parse(line)) for line in self.path.read_text().splitlines()]
+            kept = [line for line, row in rows if row is not None and row.get("step", math.inf) <= resume_step]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
@@ -32,6 +34,14 @@ class MetricsLog:
             else:
                 shown = [f"{label} {_fmt(metrics[k])}" for k, label in CONSOLE if k in metrics]
             print(f"step {step:4d} | " + " | ".join(shown), flush=True)
+
+
+def _parse(line: str):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def _plain(v):
