@@ -20,7 +20,8 @@ Log-probs and entropies are those of softmax(logits / temperature) over the full
 top-k / top-p truncation: the distribution the trainer recomputes. temperature=0 is greedy (argmax), and
 then they are those of the plain T=1 softmax.
 """
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from numbers import Integral
 
 import torch
@@ -35,6 +36,23 @@ class Sample:
     finished: bool  # a stop token was generated; False: cut off at max_new_tokens
     prefix_len: int = 0  # how many leading tokens came from `prefixes` (scored, not sampled)
     hidden: torch.Tensor | None = None  # return_hidden: [len, d] (or [d] with "mean"), see generate
+    extras: dict = field(default_factory=dict)  # a Companion's per-token values: name -> [len(tokens)]
+
+
+@dataclass
+class Companion:
+    """A second model decoded in lock-step with the policy (EAPO's prior policy, arXiv 2606.30420): its own KV
+    cache, over the samples in `rows` only, with the policy's cache columns, padding and row drops.
+
+    At each generated position, mix(step, tokens, logits, companion_logits, rows) gets, for the followed rows
+    still live: the policy's draws [b], the policy's and the companion's raw logits [b, V] fp32, and each row's
+    sample index [b]. It returns the tokens to emit [b] (fed to both models and checked for stops; .logprobs
+    stay the policy's log-probs of them) and a dict {name: tensor [b]} of per-token values, which come back
+    as Sample.extras[name], aligned with .tokens (0 on prefix tokens and on samples the companion does not follow).
+    """
+    model: torch.nn.Module
+    mix: Callable
+    rows: list[int] | None = None  # samples to follow, prompt-major (sample j of prompt i is sum(n[:i]) + j); None: all
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -141,7 +159,7 @@ def _compile(fn, **kw):
 # ------------------------------------------------------------------------------------------ generate
 
 def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=None,
-             seed=None, *, prefixes=None, step_hook=None, return_hidden=False, check_every=8, compile=False):
+             seed=None, *, prefixes=None, companion=None, return_hidden=False, check_every=8, compile=False):
     """Sample completions: returns one list per prompt of its Sample's (prompt-major, n[i] of them).
 
     prompts: list of token-id lists. n: int, or one int per prompt (0 gives an empty list).
@@ -151,11 +169,8 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
       n[i] lists (one per sample). They are the start of the COMPLETION: each sample's .tokens, .logprobs,
       .entropies (and .hidden) begin with its prefix, scored by the same softmax; max_new_tokens counts
       only the tokens generated after it, and stop ids inside a prefix do not stop it.
-    step_hook: fn(step, logits, tokens, rows) -> tokens, called once per generated token position with the
-      policy's raw logits [B, V] fp32, the sampled tokens [B] and rows [B]: the index of each active row's
-      sample in prompt-major order (sample j of prompt i is sum(n[:i]) + j). The returned tokens are the
-      ones emitted and fed back; their log-probs and entropies are still the policy's. Stop ids are checked
-      on them. (EAPO: swap in tokens drawn from a prior policy stepped alongside, with its own cache.)
+    companion: a Companion: a second model stepped alongside on some samples, which may replace their tokens
+      and returns per-token extras (see Companion). It always decodes eagerly, also under compile=True.
     return_hidden: True gives each sample .hidden [len(tokens), d] fp32, the final-norm hidden state whose
       LM-head output scored each token (so row 0 is the prompt's last position); "mean" averages those rows.
     check_every: steps between host reads of the done flags (early exit, dropping finished rows).
@@ -200,6 +215,9 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
         pre_h = h[:, :L][is_pre]  # [N, d]
         pre_logp, pre_ent = logprobs_entropy(model.lm_head(pre_h), seg[:, 1:][is_pre], temperature or 1.0)
 
+        follower = None if companion is None else _Follower(companion, S, steps, dev)
+        if follower is not None:
+            follower.start(ids, pmask, urow, seg, mask, W + L + 1, padded)
         h = h[:, -1]  # [S, d], predicts the first new token
         pos = torch.tensor([len(prompts[owner[s]]) + len(pre[s]) for s in range(S)], device=dev)
         rows = torch.arange(S, device=dev)  # sample index of each active row
@@ -222,8 +240,8 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
             logits = model.lm_head(h)  # [B, V]
             logp_all, probs, ent = stats(logits, temperature or 1.0)
             tok = logits.max(-1).indices if temperature == 0 else sample(probs, top_k, top_p, gen)
-            if step_hook is not None:
-                tok = step_hook(t, logits.float(), tok, rows)
+            if follower is not None:
+                follower.step(t, tok, logits)  # may replace the followed rows' tokens, in place
             out_tok[rows, t] = tok
             out_logp[rows, t] = logp_all.gather(-1, tok[:, None])[:, 0]
             out_ent[rows, t] = ent
@@ -236,9 +254,13 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
                 n_done = int(done.sum())
                 if n_done == len(rows):
                     break
+                if follower is not None:
+                    follower.drop(done, col)
                 if n_done and not compile:  # finished rows stop costing compute
                     keep = drop_rows(cache, done, col)
                     rows, tok, pos, mask, done = rows[keep], tok[keep], pos[keep], mask[keep], done[keep]
+                    if follower is not None:
+                        follower.moved(rows)
             if compile:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
                 h = step_fn(model, tok, pos, col_t, cache, mask)
@@ -246,17 +268,82 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
             else:
                 mask[:, col] = True
                 h = decode_step(model, tok, pos, cache, col, mask if padded else None)
+            if follower is not None:
+                follower.feed(tok, pos, col)
             pos, col = pos + 1, col + 1
 
     # outside inference mode, so that the returned tensors can enter autograd code (as old log-probs)
     return _collect(ns, pre, out_tok.clone(), out_logp.clone(), out_ent.clone(), pre_logp.clone(),
                     pre_ent.clone(), stops.cpu(), out_h.clone() if return_hidden else None,
-                    pre_h.float().clone() if return_hidden else None, return_hidden)
+                    pre_h.float().clone() if return_hidden else None, return_hidden,
+                    {} if follower is None else {k: v.clone() for k, v in follower.out.items()})
 
 
-def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_h, pre_h, return_hidden):
+class _Follower:
+    """A Companion's decoding state inside generate. Its cache rows hold the followed samples (`rows`, in its
+    own order: row drops permute the policy's batch and its batch differently); `slot` maps each sample to
+    its row in the policy's batch, so every step reads and writes the policy's tensors at slot[rows]."""
+
+    def __init__(self, companion, S, steps, dev):
+        wanted = range(S) if companion.rows is None else sorted(set(companion.rows))
+        if not all(isinstance(r, Integral) and 0 <= r < S for r in wanted):
+            raise ValueError(f"generate: companion.rows must be sample indices in [0, {S}), got {list(wanted)[:8]}...")
+        self.c, self.S, self.steps = companion, S, steps
+        self.rows = torch.tensor(list(wanted), dtype=torch.long, device=dev)  # [b] sample index of each cache row
+        self.slot = torch.arange(S, device=dev)  # [S] each live sample's row in the policy's batch
+        self.out = {}  # name -> [S, steps] extras
+
+    def start(self, ids, pmask, urow, seg, mask, width, padded):
+        """The policy's prefill and extend (same columns, same padding) on the followed samples only: ids,
+        pmask [U, W] the distinct prompts, urow each sample's prompt, seg [S, width - W] the extend segments,
+        mask [S, max_len] the policy's real-token mask with its first `width` columns filled."""
+        model, rows = self.c.model, self.rows.tolist()
+        if not rows:
+            return
+        uniq = sorted({urow[s] for s in rows})
+        self.cache = model.new_cache(len(uniq), mask.shape[1])
+        prefill(model, ids[uniq], pmask[uniq], self.cache)
+        self.cache.select(torch.tensor([uniq.index(urow[s]) for s in rows], dtype=torch.long, device=ids.device))
+        self.mask, self.padded = mask[self.rows], padded  # [b, max_len], a copy: columns turn on as written
+        self.h = model(seg[self.rows], attention_mask=self.mask[:, :width] if padded else None, cache=self.cache,
+                       start=ids.shape[1], return_hidden=True)[:, -1]  # [b, d]
+
+    def step(self, t, tok, logits):
+        """mix: the followed rows' tokens (replaced in tok [B], in place) and their extras at position t."""
+        if not len(self.rows):
+            return
+        at = self.slot[self.rows]
+        new, extras = self.c.mix(t, tok[at], logits[at].float(), self.c.model.lm_head(self.h).float(), self.rows)
+        tok[at] = new
+        for name, value in extras.items():
+            if name not in self.out:
+                self.out[name] = torch.zeros(self.S, self.steps, dtype=value.dtype, device=value.device)
+            self.out[name][self.rows, t] = value
+
+    def drop(self, done, col):
+        """Drop the followed rows that finished; done [B] is the policy's batch before it drops its own."""
+        if len(self.rows):
+            finished = done[self.slot[self.rows]]
+            if finished.any():
+                keep = drop_rows(self.cache, finished, col)
+                self.rows, self.mask = self.rows[keep], self.mask[keep]
+
+    def moved(self, rows):
+        """The policy's batch was compacted: rows [B'] is the sample in each of its rows now."""
+        self.slot[rows] = torch.arange(len(rows), device=rows.device)
+
+    def feed(self, tok, pos, col):
+        """The emitted tokens of the followed rows go into the companion's cache at column col."""
+        if len(self.rows):
+            at = self.slot[self.rows]
+            self.mask[:, col] = True
+            self.h = decode_step(self.c.model, tok[at], pos[at], self.cache, col, self.mask if self.padded else None)
+
+
+def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_h, pre_h, return_hidden, out_x):
     """Cut each sample at its first stop token and prepend its prefix: the per-prompt lists of Sample."""
     out_tok, out_logp, out_ent = out_tok.cpu(), out_logp.cpu(), out_ent.cpu()
+    out_x = {k: v.cpu() for k, v in out_x.items()}
     pre_logp, pre_ent = pre_logp.cpu().split([len(p) for p in pre]), pre_ent.cpu().split([len(p) for p in pre])
     if return_hidden:
         out_h, pre_h = out_h.cpu(), pre_h.cpu().split([len(p) for p in pre])
@@ -270,6 +357,7 @@ def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_
             m = first[s]
             sample = Sample(tokens=pre[s] + out_tok[s, :m].tolist(), logprobs=torch.cat((pre_logp[s], out_logp[s, :m])),
                             entropies=torch.cat((pre_ent[s], out_ent[s, :m])), finished=finished[s], prefix_len=len(pre[s]))
+            sample.extras = {k: torch.cat((x.new_zeros(len(pre[s])), x[s, :m])) for k, x in out_x.items()}
             if return_hidden:
                 hid = torch.cat((pre_h[s], out_h[s, :m]))
                 sample.hidden = hid.mean(0) if return_hidden == "mean" else hid

@@ -239,32 +239,58 @@ def test_prefixes_belong_to_the_completion(tiny):
     assert alone[0][0].tokens == groups[1][2].tokens[4:]
 
 
-def test_step_hook_replaces_tokens_with_a_prior_policy(tiny):
-    """A hook that emits a second model's greedy token (the prior is stepped without a cache here, for
-    brevity) must reproduce the prior's own greedy completion, scored by the policy."""
+def test_companion_follows_its_rows_with_its_own_cache(tiny):
+    """A second model follows 3 of 6 samples through ragged prompts, a prefix and row drops (stops, checked
+    every 2 steps). Its logits at every position equal its no-cache forward over prompt + completion; emitting
+    its greedy token reproduces its own greedy completion, which the policy still scores; extras line up."""
     policy, _ = tiny["qwen2"]
     prior, _ = tiny["llama-tied"]
-    prompts = rand_prompts([4, 7], seed=8)
-    ns = [2, 1]
-    sample_prompt = [p for p, k in zip(prompts, ns) for _ in range(k)]
-    emitted = [[] for _ in sample_prompt]
-    seen_rows = []
+    prompts = rand_prompts([4, 7, 5], seed=8)
+    ns, follow, prefixes = [2, 1, 3], [1, 2, 4], [[], [9, 10], []]
+    stops = list(range(0, 256, 7))
+    seen = {}  # (sample, step) -> the companion's logits
 
-    def hook(step, logits, tokens, rows):
-        assert logits.shape == (len(rows), policy.cfg.vocab_size) and logits.dtype == torch.float32
-        seen_rows.append(rows.tolist())
-        new = tokens.clone()
-        for i, r in enumerate(rows.tolist()):
-            with torch.no_grad():
-                new[i] = prior(torch.tensor([sample_prompt[r] + emitted[r]]))[0, -1].argmax()
-            emitted[r].append(int(new[i]))
-        return new
+    def mix(step, tokens, logits, companion_logits, rows):
+        assert set(rows.tolist()) <= set(follow)
+        assert logits.shape == companion_logits.shape == (len(rows), 256) and tokens.shape == rows.shape
+        seen.update({(r, step): x for r, x in zip(rows.tolist(), companion_logits)})
+        greedy = companion_logits.argmax(-1)
+        return greedy, {"prior_logp": torch.log_softmax(companion_logits, -1).gather(-1, greedy[:, None])[:, 0],
+                        "draft": tokens}
 
-    groups = generate(policy, prompts, n=ns, max_new_tokens=6, temperature=0.8, stop_ids=(), seed=0, step_hook=hook)
-    assert seen_rows[0] == [0, 1, 2] and len(seen_rows) == 6
-    ref = generate(prior, prompts, n=ns, max_new_tokens=6, temperature=0, stop_ids=())
-    assert [s.tokens for g in groups for s in g] == [s.tokens for g in ref for s in g]
+    groups = generate(policy, prompts, n=ns, max_new_tokens=12, temperature=0.8, stop_ids=stops, seed=0,
+                      prefixes=prefixes, check_every=2, companion=sampler.Companion(prior, mix, rows=follow))
+    samples = [s for g in groups for s in g]
+    owner = [i for i, k in enumerate(ns) for _ in range(k)]
+    assert len({len(s.tokens) for s in samples}) > 1  # rows finished at different steps: the batch was compacted
+    for i, s in enumerate(samples):
+        p, k = prompts[owner[i]] + prefixes[owner[i]], s.prefix_len
+        assert set(s.extras) == {"prior_logp", "draft"} and len(s.extras["prior_logp"]) == len(s.tokens)
+        if i not in follow:
+            assert (s.extras["prior_logp"] == 0).all()
+            continue
+        with torch.no_grad():
+            ref = prior(torch.tensor([p + s.tokens[k:]]))[0, len(p) - 1:-1]  # [new tokens, V]
+        torch.testing.assert_close(torch.stack([seen[i, t] for t in range(len(s.tokens) - k)]), ref, atol=1e-4, rtol=1e-4)
+        alone = generate(prior, [p], max_new_tokens=12, temperature=0, stop_ids=stops)[0][0].tokens
+        assert s.tokens[k:] == alone
+        chosen = torch.log_softmax(ref, -1).gather(-1, torch.tensor(alone)[:, None])[:, 0]
+        torch.testing.assert_close(s.extras["prior_logp"], torch.cat((torch.zeros(k), chosen)), atol=1e-4, rtol=1e-4)
     check_scores(policy, prompts, groups, 0.8)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_companion_with_identity_mix_changes_nothing(tiny, monkeypatch, static):
+    """Same seed, same tokens and scores as without a companion (also on the fixed-shape compile path)."""
+    monkeypatch.setattr(sampler, "_compile", lambda fn, **kw: fn)
+    model, prior = tiny["llama-gqa"][0], tiny["qwen3"][0]
+    prompts = rand_prompts([6, 3], seed=12)
+    kw = dict(n=[3, 2], max_new_tokens=16, stop_ids=list(range(0, 256, 11)), seed=3, check_every=2, compile=static)
+    identity = sampler.Companion(prior, lambda t, tokens, logits, prior_logits, rows: (tokens, {}), rows=[0, 3])
+    a, b = generate(model, prompts, **kw), generate(model, prompts, companion=identity, **kw)
+    for sa, sb in zip((s for g in a for s in g), (s for g in b for s in g)):
+        assert sa.tokens == sb.tokens and sa.finished == sb.finished
+        assert torch.equal(sa.logprobs, sb.logprobs) and torch.equal(sa.entropies, sb.entropies)
 
 
 def test_static_decode_step_equals_eager(tiny, monkeypatch):
