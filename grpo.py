@@ -6,15 +6,22 @@ file repeats this loop and changes only what makes it different (`diff grpo.py e
     python grpo.py --run-name NAME --resume          # continue a run from its last checkpoint
     torchrun --nproc_per_node=8 grpo.py --model Qwen2.5-Math-1.5B --task math500 ...   # see README
 
-One step (spec = ../shared/specs/grpo.md, cited as "spec N"): sample G completions for each of B prompts,
-score them with the verifier, turn rewards into group-relative advantages, then run μ epochs of clipped
-policy-gradient updates over M mini-batches. Sources: DeepSeekMath (GRPO), DAPO (clip-higher, token-mean,
-dynamic sampling), Dr. GRPO (no std, length-unbiased normalisation).
+One step: sample G completions for each of B prompts, reward them with the verifier, turn rewards into
+group-relative advantages, then run μ epochs of clipped policy-gradient updates over M mini-batches.
+Sources: DeepSeekMath (GRPO, arXiv 2402.03300 §4.1), DAPO (clip-higher, token-level loss, dynamic sampling;
+arXiv 2503.14476 §3), Dr. GRPO (no std, a constant normaliser; arXiv 2503.20783 §3.1), GSPO (sequence-level
+ratio; arXiv 2507.18071 §4), and truncated importance sampling against the sampler (Yao et al. 2025, "Your
+efficient RL framework secretly brings you off-policy RL training").
+
+The step is a flat batch of completions, each with its own context (the token ids it was sampled from), a group
+id (groups may differ in size) and a count of leading completion tokens that get no loss. GRPO uses one group of
+G per prompt and no excluded tokens; the variants use the rest.
 
 Left out on purpose: a format reward (off by default, --format-reward adds it), length penalties,
 refilling groups dropped by dynamic sampling (we drop them and log how many), value models.
 """
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -23,7 +30,7 @@ from pathlib import Path
 import torch
 
 from common import checkpoint, dist
-from common.config import check, main_guard, parse
+from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate
 from common.logger import MetricsLog
 from common.model import Transformer, compute_dtype
@@ -46,29 +53,36 @@ class Config:
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
     train_size: int = 2000  # problems generated for arith (ignored for data files)
-    # rollouts (spec 1)
+    # rollouts
     steps: int = 15  # training steps
     prompts_per_step: int = 8  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
     max_new_tokens: int = 96  # L_max: completion budget in tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
-    format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{} (spec 2)
-    # advantages and loss (spec 3-7)
+    format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
+    # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     eps_low: float = 0.2  # clip ratio below 1 - eps_low
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
+    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
     micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
-    # optimizer (spec 8)
+    # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
     weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.99  # AdamW β2
     max_grad_norm: float = 1.0  # gradient clipping
+    skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
+    max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
@@ -78,72 +92,163 @@ class Config:
     save_every: int = 15  # checkpoint every N steps (and after the last)
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-               "device": ["auto", "cpu", "cuda"],
-               "dtype": ["auto", "float32", "bfloat16"]}
+               "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"]}
+
+
+# Options a resumed run must share with the run it continues: they fix the data order and the model.
+RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
 
 
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size"):
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
+                 "eval_every", "save_every", "train_size", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
+    check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
     check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
-    check(cfg.lr > 0 and cfg.kl_coef >= 0, "lr/kl_coef", "lr > 0 and kl_coef >= 0")
+    check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
+          "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
+    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
     check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
-    check(cfg.prompts_per_step // dist.world() * cfg.group_size % cfg.mini_batches == 0, "mini_batches",
-          "a divisor of the completions per step on each rank (prompts_per_step / world * group_size)")
+    check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
+          "at most the completions per step on each rank (prompts_per_step / world * group_size)")
+
+
+def check_resume(cfg: Config, saved: dict):
+    """A resumed run must see the data and model the checkpoint was trained on."""
+    for name in RESUME_FIXED:
+        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+
+
+def check_context(model, tok, problems, cfg):
+    """Prompt + completion must fit the model's positions; say so before anything is written."""
+    longest = max(len(tok.prompt(format_question(p))) for p in problems)
+    limit = model.cfg.max_position_embeddings
+    check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
+          f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
+
+
+# ------------------------------------------------------------------------------- the flat batch
+
+@dataclass
+class Batch:
+    """One step's completions, flat (CleanRL's `b_` batch). Completion i was sampled from context[i]; its
+    first skip[i] tokens were given, not sampled (a prefix), and get no loss."""
+    context: list  # [N] token ids each completion is conditioned on
+    tokens: list  # [N] completion token ids, the stop token included when one was hit
+    group: torch.Tensor  # [N] long: advantages are relative within a group; groups may differ in size
+    skip: torch.Tensor  # [N] long: leading completion tokens excluded from the loss and every denominator
+    sampler_logp: torch.Tensor  # [n_tok] the sampler's log-probs of every completion token, flat
+    finished: torch.Tensor  # [N] bool: a stop token ended the completion (False: cut at max_new_tokens)
+    answer: list  # [N] the reference answer each completion is graded against
+
+    @property
+    def lengths(self):  # [N] completion tokens
+        return torch.tensor([len(t) for t in self.tokens], dtype=torch.long)
+
+    def train_mask(self):  # [n_tok] bool: the completion tokens that get a loss
+        return torch.cat([torch.arange(n) >= k for n, k in zip(self.lengths.tolist(), self.skip.tolist())])
+
+    def select(self, keep: torch.Tensor) -> "Batch":
+        """The completions where keep [N] is True, in order."""
+        idx = keep.nonzero()[:, 0].tolist()
+        tok_keep = keep.repeat_interleave(self.lengths)
+        return Batch([self.context[i] for i in idx], [self.tokens[i] for i in idx], self.group[keep], self.skip[keep],
+                     self.sampler_logp[tok_keep], self.finished[keep], [self.answer[i] for i in idx])
+
+
+def to_batch(contexts, groups, answers, group_ids) -> Batch:
+    """generate()'s nested output (one list of samples per context) -> a flat Batch. answers and group_ids
+    give one value per context; a sample's given prefix (Sample.prefix_len) is excluded from the loss."""
+    samples = [(c, s, a, g) for c, ss, a, g in zip(contexts, groups, answers, group_ids) for s in ss]
+    return Batch(context=[c for c, *_ in samples], tokens=[s.tokens for _, s, *_ in samples],
+                 group=torch.tensor([g for *_, g in samples], dtype=torch.long),
+                 skip=torch.tensor([s.prefix_len for _, s, *_ in samples], dtype=torch.long),
+                 sampler_logp=torch.cat([s.logprobs.float() for _, s, *_ in samples]),
+                 finished=torch.tensor([s.finished for _, s, *_ in samples], dtype=torch.bool),
+                 answer=[a for *_, a, _ in samples])
+
+
+def build_inputs(contexts, completions, skip, pad_id):
+    """Right-padded context+completion ids [n, T] and a mask [n, T-1] over the positions that predict a
+    completion token at or after skip. Right padding needs no attention mask: real tokens never see the pads."""
+    seqs = [c + t for c, t in zip(contexts, completions)]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
+    for i, (c, t, k) in enumerate(zip(contexts, completions, skip)):
+        ids[i, : len(c) + len(t)] = torch.tensor(c + t)
+        mask[i, len(c) - 1 + k: len(c) - 1 + len(t)] = True
+    return ids, mask
+
+
+def token_logprobs(model, ids, mask, temperature):
+    """Log-probs and entropies of the masked completion tokens, flat [n_tokens], from logits / temperature.
+    The LM head and log-softmax are fused: the [tokens, vocab] logits are never held whole."""
+    return model(ids[:, :-1], targets=ids[:, 1:], target_mask=mask, temperature=temperature)
+
+
+def token_index(lengths, idx):
+    """Positions in the flat [n_tok] arrays of the tokens of completions idx, in order."""
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.cat([torch.arange(offsets[i], offsets[i] + lengths[i]) for i in idx])
+
+
+@torch.no_grad()
+def trainer_logprobs(model, b: Batch, cfg, pad_id, device, autocast):
+    """The trainer's own log-probs and entropies of every completion token, flat [n_tok], at the sampling
+    temperature and with the update's numerics: π_old for the ratio, before any update."""
+    logp, entropy = [torch.zeros(0)], [torch.zeros(0)]
+    for i in range(0, len(b.tokens), cfg.micro_batch):
+        sl = slice(i, i + cfg.micro_batch)
+        ids, mask = build_inputs(b.context[sl], b.tokens[sl], [0] * len(b.tokens[sl]), pad_id)
+        with autocast:
+            lp, ent = token_logprobs(model, ids.to(device), mask.to(device), cfg.temperature)
+        logp.append(lp.float().cpu())
+        entropy.append(ent.float().cpu())
+    return torch.cat(logp), torch.cat(entropy)
 
 
 # ----------------------------------------------------------------------------- rewards -> advantages
 
-def group_advantages(rewards: torch.Tensor, norm: str) -> torch.Tensor:
-    """rewards [B, G] -> advantages [B, G], one per completion (spec 3)."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if norm == "none":  # Dr. GRPO: the std division re-weights groups by difficulty; leave it out
-        return centred
-    return centred / (rewards.std(dim=1, keepdim=True) + 1e-6)  # unbiased std, as DeepSeekMath's reference
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
+    """rewards [N], group ids [N] -> advantages [N] relative to each completion's group (GRPO, DeepSeekMath
+    §4.1.2). Groups may differ in size; a group of one has advantage 0."""
+    n = int(group.max()) + 1 if len(group) else 0
+    count = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, rewards.double()) / count.clamp(min=1)
+    centred = rewards.double() - mean[group]
+    if norm == "none":  # Dr. GRPO §3.1: the std division re-weights groups by difficulty; leave it out
+        return centred.float()
+    # unbiased std, as DeepSeekMath's reference; a group of one has centred = 0, so 0 / (0 + 1e-6) = 0
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, group, centred ** 2) / (count - 1).clamp(min=1)
+    return (centred / (var.sqrt()[group] + 1e-6)).float()
 
 
 def boxed(text: str) -> bool:
-    """The optional format term (spec 2): the completion uses \\boxed and an answer can be read from it."""
+    """The optional format term: the completion uses \\boxed and an answer can be read from it."""
     return "\\boxed" in text and extract_answer(text) is not None
 
 
-# ---------------------------------------------------------------------------- batch and token weights
-
-def build_batch(prompts, completions, pad_id):
-    """Right-padded prompt+completion ids [N, T] and a mask [N, T-1] over the positions that predict a
-    completion token. Right padding needs no attention mask: real tokens never look ahead at pads."""
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        mask[i, len(p) - 1: len(p) - 1 + len(c)] = True
-    return ids, mask
-
-
 def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
-    """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch (spec 7).
-    Computed once per mini-batch, so micro-batches add up to exactly the big-batch gradient.
-    lengths [n]: completion lengths of these sequences; n_seqs / n_tokens: totals of the mini-batch."""
-    if agg == "token-mean":  # DAPO: every token counts the same
+    """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
+    from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
+    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    if agg == "token-mean":  # DAPO §3.3: every token counts the same
         w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
-    elif agg == "seq-mean-token-mean":  # original GRPO: every completion counts the same
-        w = 1.0 / (lengths.float().clamp(min=1) * n_seqs)
-    else:  # seq-mean-token-sum-norm, Dr. GRPO: a constant normaliser, no length bias
-        w = torch.full_like(lengths, 1.0 / (n_seqs * max_new_tokens), dtype=torch.float32)
+    elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
+        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
+        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
     return w.repeat_interleave(lengths)
-
-
-def token_logprobs(model, ids, mask, temperature):
-    """Log-probs and entropies of the completion tokens, flat [n_tokens], from logits / temperature.
-    The LM head and log-softmax are fused: the [tokens, vocab] logits are never held whole."""
-    return model(ids[:, :-1], targets=ids[:, 1:], target_mask=mask, temperature=temperature)
 
 
 def step_prompts(train, step, n, seed):
@@ -158,15 +263,104 @@ def step_prompts(train, step, n, seed):
     return out
 
 
-def micro_batch_loss(policy, ids, mask, tok_adv, w, old_logp, ref_logp, cfg):
-    """Σ_t w_t ℓ_t over one micro-batch (spec 6-7). old_logp None: this forward is π_old itself (μ = M = 1)."""
-    logp, entropy = token_logprobs(policy, ids, mask, cfg.temperature)
-    old = logp.detach() if old_logp is None else old_logp
-    loss_tok, clip_low, clip_high = policy_loss(logp, old, tok_adv, cfg.eps_low, cfg.eps_high,
-                                                ref_logp=ref_logp, kl_coef=cfg.kl_coef)
-    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
-    loss = (loss_tok * w).sum() * dist.world()
-    return loss, logp, entropy, old, clip_low, clip_high
+# ------------------------------------------------------------------------------------------ update
+
+def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
+           loss_kw=None):
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
+    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
+    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    N, lengths, train = len(b.tokens), b.lengths, b.train_mask()
+    n_train = lengths - b.skip  # loss tokens per completion
+    tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
+    mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
+    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+                           "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
+                           "skipped_since_last_step"], 0.0)
+    for epoch in range(cfg.epochs if N else 0):
+        for idx in mini:
+            # the aggregation's totals over the whole mini-batch, summed over ranks
+            n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
+                                                                 float(n_train[idx].sum())])).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            micro = [idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
+            for j, mb in enumerate(micro):
+                tok = token_index(lengths, mb)
+                tok = tok[train[tok]]  # the loss tokens of these completions, in the forward's order
+                ids, mask = build_inputs([b.context[i] for i in mb], [b.tokens[i] for i in mb], b.skip[mb].tolist(), pad_id)
+                w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
+                extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
+                    extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
+                if cfg.tis_cap:
+                    extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
+                    logp, entropy = token_logprobs(policy, ids.to(device), mask.to(device), cfg.temperature)
+                    old = logp.detach() if old_logp is None else old_logp[tok].to(device)
+                    ref = None if ref_logp is None else ref_logp[tok].to(device)
+                    loss_tok, clip_low, clip_high = policy_loss(
+                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
+                    ((loss_tok * w.to(device)).sum() * dist.world()).backward()
+                with torch.no_grad():  # diagnostics
+                    log_ratio = logp.detach() - old
+                    stats["tokens"] += len(logp)
+                    stats["clip_low"] += clip_low.float().sum().item()
+                    stats["clip_high"] += clip_high.float().sum().item()
+                    stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
+                    stats["entropy"] += entropy.detach().sum().item()
+                    if ref is not None:
+                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if epoch == 0:
+                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
+                        stats["mismatch_tokens"] += len(old)
+            skipped = optimizer_step(model, optimizer, cfg, stats)
+            stats["skipped"] += skipped
+            stats["skipped_since_last_step"] = stats["skipped_since_last_step"] + 1 if skipped else 0
+    return stats
+
+
+def optimizer_step(model, optimizer, cfg, stats) -> bool:
+    """Clip and step; a non-finite gradient norm (or one above --skip-grad-norm) skips the step instead.
+    The norm is of the all-reduced gradient, so every rank decides the same. Returns True if skipped."""
+    grad_norm = float(dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+    stats["last_grad_norm"] = grad_norm
+    if not math.isfinite(grad_norm) or (cfg.skip_grad_norm > 0 and grad_norm > cfg.skip_grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return True
+    optimizer.step()
+    stats["grad_norm"] += grad_norm
+    stats["grad_norm_max"] = max(stats["grad_norm_max"], grad_norm)
+    stats["opt_steps"] += 1
+    return False
+
+
+def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+    """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
+    lengths, seen = b.lengths.float(), max(stats["tokens"], 1)
+    t0, t_sample, t_score, t_train = times
+    return {
+        "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
+        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
+        "response/truncated": (~b.finished).float().mean().item(),
+        "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,
+        "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
+        "policy/ref_kl": stats["ref_kl"] / seen,
+        "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
+        "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
+        "optim/skipped_steps": stats["skipped"],
+        "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
+        "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
+        "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
+        "perf/step_s": t_train - t0,
+    }
+
+
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
 
 # ---------------------------------------------------------------------------------------- main loop
@@ -181,6 +375,9 @@ def main(argv=None):
     check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
     check(cfg.resume or not (run_dir / "metrics.jsonl").exists(), "run_name",
           f"a new name: {run_dir} already holds a run (add --resume to continue it)")
+    state = checkpoint.load_trainer_state(ckpt) if ckpt else None
+    if state is not None:
+        check_resume(cfg, state["extra"].get("config", {}))
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
@@ -189,32 +386,33 @@ def main(argv=None):
     tok = Tokenizer.from_pretrained(cfg.model)
     dtype = compute_dtype(device, cfg.dtype)
     model = Transformer.from_pretrained(ckpt or cfg.model, device=device)  # fp32 master weights
+    check_context(model, tok, train + held_out, cfg)
     model.gradient_checkpointing = cfg.grad_checkpointing
     ref_model = None
-    if cfg.kl_coef > 0:  # spec 6: the reference policy exists only when it is used
-        ref_model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval().requires_grad_(False)
+    if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
+        ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
     # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
     # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (spec 8: warm-up, then constant)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    start_step = 0
-    if ckpt is not None:
-        state = checkpoint.load_trainer_state(ckpt)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (warm-up, then constant)
+    start_step = state["step"] if state else 0
+    if state is not None:
         dist.load_optimizer_state(model, optimizer, state["optimizer"])
-        start_step = state["step"]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    if start_step:  # LambdaLR with last_epoch does not set the lr itself
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-    t_start = time.time()
-    first_acc = None
+    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
     if start_step == 0:
         with autocast:
             first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
@@ -222,117 +420,62 @@ def main(argv=None):
         log.log(0, first)
 
     for step in range(start_step + 1, cfg.steps + 1):
+        # ---- 1. sample: G completions for each of this rank's B prompts, from the current policy
         t0 = time.time()
-        # ---- 1. rollouts: B prompts x G completions from the current policy (spec 1)
-        batch = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
-        prompts = [tok.prompt(format_question(p)) for p in batch]
+        problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
+        contexts = [tok.prompt(format_question(p)) for p in problems]
         with torch.no_grad(), autocast:
-            groups = generate(rollout, prompts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
+        b = to_batch(contexts, groups, [p.answer for p in problems], group_ids=range(B))
         t_sample = time.time()
 
-        # ---- 2-3. rewards and group advantages (spec 2, 3)
-        texts = [[tok.decode(s.tokens, skip_special=True) for s in g] for g in groups]
-        correct = torch.tensor([[score(t, p.answer) for t in ts] for ts, p in zip(texts, batch)])  # [B, G]
-        rewards = correct + cfg.format_reward * torch.tensor([[float(boxed(t)) for t in ts] for ts in texts])
-        adv = group_advantages(rewards, cfg.adv_norm)  # [B, G]
-        zero_var = rewards.std(dim=1) == 0
-        keep = ~zero_var if cfg.dynamic_sampling else torch.ones(B, dtype=torch.bool)  # spec 4
+        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
+        texts = [tok.decode(t, skip_special=True) for t in b.tokens]
+        correct = torch.tensor([score(t, a) for t, a in zip(texts, b.answer)])  # [N]
+        rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
+        n_groups = int(b.group.max()) + 1
+        group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, b.group, rewards, "amax")
+        group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, b.group, rewards, "amin")
+        zero_var = group_max == group_min  # [groups]
+        keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        b_all, correct_all, rewards_all = b, correct, rewards
+        b, rewards = b.select(keep), rewards[keep]
+
+        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
+        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        old_logp = ref_logp = None
+        if cfg.epochs * cfg.mini_batches > 1:
+            old_logp, _ = trainer_logprobs(model, b, cfg, tok.pad_id, device, autocast)
+        if ref_model is not None:
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg, tok.pad_id, device, autocast)
         t_score = time.time()
 
-        # ---- flatten the kept groups into completions; fix the mini-/micro-batch partition once
-        samples = [s for g, k in zip(groups, keep) if k for s in g]
-        seq_adv = adv[keep].flatten()  # [N]
-        seq_prompts = [p for p, k in zip(prompts, keep) if k for _ in range(G)]
-        lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.long)
-        N = len(samples)
-        mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-        micro = [[idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)] for idx in mini]
+        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
+        adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
 
-        def micro_inputs(idx):
-            ids, mask = build_batch([seq_prompts[i] for i in idx], [samples[i].tokens for i in idx], tok.pad_id)
-            return ids.to(device), mask.to(device)
-
-        # ---- 5. old (and reference) log-probs: the trainer's own forward before any update, so the
-        # ratio is exactly 1 on the first mini-batch. With μ = M = 1 the update's forward provides them.
-        old_logp, ref_logp = {}, {}
-        with torch.no_grad(), autocast:
-            for idx in (i for mb in micro for i in mb):
-                ids, mask = micro_inputs(idx)
-                if cfg.epochs * cfg.mini_batches > 1:
-                    old_logp[idx[0]] = token_logprobs(model, ids, mask, cfg.temperature)[0]
-                if ref_model is not None:
-                    ref_logp[idx[0]] = token_logprobs(ref_model, ids, mask, cfg.temperature)[0]
-
-        # ---- 6-8. μ epochs x M mini-batches of clipped policy-gradient steps
-        stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch"], 0.0)
-        grad_norm = torch.tensor(0.0)
-        for epoch in range(cfg.epochs if N else 0):
-            for mb, mb_micro in enumerate(micro):
-                # the aggregation's totals over the whole mini-batch, summed over ranks (spec 7)
-                n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([len(mini[mb]), float(lengths[mini[mb]].sum())])).tolist()
-                optimizer.zero_grad(set_to_none=True)
-                for j, idx in enumerate(mb_micro):
-                    ids, mask = micro_inputs(idx)
-                    w = token_weights(lengths[idx], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens)).to(device)
-                    tok_adv = seq_adv[idx].repeat_interleave(lengths[idx]).to(device)
-                    old, ref = old_logp.get(idx[0]), ref_logp.get(idx[0])
-                    last_micro = j == len(mb_micro) - 1  # gradients are all-reduced on the last one only
-                    with autocast, dist.accumulate(policy, skip_sync=not last_micro):
-                        loss, logp, entropy, old, clip_low, clip_high = micro_batch_loss(
-                            policy, ids, mask, tok_adv, w, old, ref, cfg)
-                        loss.backward()
-                    with torch.no_grad():  # diagnostics (spec "Metrics every step")
-                        log_ratio = logp.detach() - old
-                        stats["tokens"] += len(logp)
-                        stats["clip_low"] += clip_low.float().sum().item()
-                        stats["clip_high"] += clip_high.float().sum().item()
-                        stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
-                        stats["entropy"] += entropy.sum().item()
-                        if ref is not None:
-                            stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
-                        if epoch == 0:
-                            sampler_logp = torch.cat([samples[i].logprobs for i in idx]).to(device)
-                            stats["mismatch"] += (sampler_logp - old).abs().sum().item()
-                grad_norm = dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                optimizer.step()
+        # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
+        stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
+        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
+            raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
+                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
+                           f"in {ckpt_dir} is intact")
         scheduler.step()
         dist.sync_rollout(model, rollout)
         t_train = time.time()
 
-        # ---- metrics (spec "Metrics every step"), reduced over ranks
-        seen = max(stats["tokens"], 1)
-        metrics = {
-            "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
-            "reward/zero_var_groups": zero_var.float().mean().item(), "reward/groups_dropped": float((~keep).sum()),
-            "response/len_mean": sum(len(s.tokens) for g in groups for s in g) / (B * G),
-            "response/len_max": float(max(len(s.tokens) for g in groups for s in g)),
-            "response/truncated": sum(not s.finished for g in groups for s in g) / (B * G),
-            "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,
-            "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
-            "policy/sampler_logp_diff": stats["mismatch"] / max(int(lengths.sum()), 1),
-            "optim/grad_norm": float(grad_norm), "optim/lr": scheduler.get_last_lr()[0],
-            "perf/sample_tok_s": sum(len(s.tokens) for g in groups for s in g) / (t_sample - t0),
-            "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
-            "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
-            "perf/step_s": t_train - t0,
-        }
-        if ref_model is not None:
-            metrics["policy/ref_kl"] = stats["ref_kl"] / seen
-        log.log(step, dist.reduce_metrics(metrics, sums=("reward/groups_dropped",)))
-
-        # ---- evaluation and checkpoint
+        # ---- 6. log, evaluate, save
+        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
+                               if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
+        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))
         if step % cfg.eval_every == 0 or step == cfg.steps:
             with autocast:
                 last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
             log.log(step, last)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            # fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them)
-            weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
-            if dist.is_main():
-                checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
-                                extra={"config": asdict(cfg)})
-            dist.barrier()
+            save(model, optimizer, ckpt_dir, step, cfg)
 
     if dist.is_main() and cfg.steps > start_step:
         before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
@@ -340,6 +483,19 @@ def main(argv=None):
               f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
     dist.cleanup()
+
+
+def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
+    """fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them), written
+    atomically; never from non-finite weights, which would replace the last good checkpoint with garbage."""
+    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
+    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
+        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
+                       "is intact (rerun with --resume and a lower --lr)")
+    if dist.is_main():
+        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
+                        extra={"config": asdict(cfg), **(extra or {})})
+    dist.barrier()
 
 
 def _model_dir(name):

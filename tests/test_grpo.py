@@ -1,5 +1,8 @@
-"""grpo.py: the spec's test properties (../shared/specs/grpo.md, "Properties a test can pin"), resume
-equivalence, a smoke run as a subprocess, and bad input."""
+"""grpo.py: the loop's properties, run through the loop's own functions (update, score, group_advantages) on a
+tiny model: the first mini-batch's ratio is 1 and its gradient is REINFORCE's, micro-batching gives the big-batch
+gradient, excluded prefix tokens get no gradient, groups of any size (one included), KL to an identical reference
+is 0, a non-finite gradient skips the step and the checkpoint stays good; then main() end to end: smoke runs,
+resume equivalence, bad input."""
 import json
 import os
 import subprocess
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 import grpo
+from common.config import RunError
 from common.model import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,106 +24,212 @@ def model(tiny_model_dir):
     return Transformer.from_pretrained(tiny_model_dir)
 
 
-def batch_of(n=8, seed=0):
-    """n random prompt/completion pairs of different lengths, with rewards in two groups of n/2."""
+def make_batch(n=8, groups=(3, 1, 4), skips=None, seed=0):
+    """n random context/completion pairs of different lengths in groups of the given sizes (a ragged batch),
+    with skips[i] leading completion tokens excluded from the loss, and rewards that vary inside groups."""
+    assert sum(groups) == n
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 1000, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    comps = [torch.randint(3, 1000, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    rewards = torch.randint(0, 2, (2, n // 2), generator=g).float()
-    rewards[0, 0], rewards[0, 1] = 1.0, 0.0  # at least one mixed group
-    return prompts, comps, rewards
+    rand = lambda lo, hi: torch.randint(lo, hi, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()  # noqa: E731
+    ctx = [[int(x) for x in torch.randint(3, 1000, (len(rand(3, 8)),), generator=g)] for _ in range(n)]
+    comps = [[int(x) for x in torch.randint(3, 1000, (len(rand(3, 9)),), generator=g)] for _ in range(n)]
+    skip = torch.tensor(skips if skips is not None else [0] * n)
+    group = torch.tensor([k for k, size in enumerate(groups) for _ in range(size)])
+    lengths = torch.tensor([len(c) for c in comps])
+    b = grpo.Batch(ctx, comps, group, skip, -torch.rand(int(lengths.sum()), generator=g), torch.ones(n, dtype=torch.bool),
+                   ["0"] * n)
+    rewards = torch.tensor([float(i % 2) for i in range(n)])
+    return b, rewards
 
 
-def loss_and_grad(model, prompts, comps, adv, cfg, micro=None, extra_pad=0, ref_logp=None):
-    """The loop's loss (grpo.micro_batch_loss) summed over micro-batches; returns (loss, flat grad)."""
+class RecordingOptimizer:
+    """Stands in for AdamW: keeps each step's gradient and never changes the weights, so every mini-batch
+    sees π_old and the gradients of different batchings can be compared."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self):
+        self.grads.append(torch.cat([p.grad.flatten().clone() for p in self.model.parameters()]))
+
+
+def run_update(model, b, adv, **cfg_kw):
+    cfg = grpo.Config(**{"max_grad_norm": 1e9, "temperature": 0.7, "max_new_tokens": 10, **cfg_kw})
+    opt = RecordingOptimizer(model)
+    old = grpo.trainer_logprobs(model, b, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))[0] \
+        if cfg.epochs * cfg.mini_batches > 1 else None
+    stats = grpo.update(model, model, opt, b, adv, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False),
+                        old_logp=old)
+    return stats, opt.grads
+
+
+def plain_logprobs(model, context, completion, temperature):
+    """log π(completion | context) token by token, from full logits and log_softmax, one sequence alone (no padding,
+    no fused head): an independent statement of what the trainer must compute."""
+    ids = torch.tensor([context + completion])
+    logits = model(ids)[0, len(context) - 1: -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+# ------------------------------------------------------------------------------- advantages
+
+def test_group_advantages_ragged_groups_and_a_group_of_one():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 1.0, 0.0])
+    group = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])  # sizes 3, 1, 4
+    adv = grpo.group_advantages(rewards, group, "std")
+    for k in range(3):
+        r = rewards[group == k]
+        want = (r - r.mean()) / (r.std() + 1e-6) if len(r) > 1 else torch.zeros(1)
+        torch.testing.assert_close(adv[group == k], want)
+    assert adv[3] == 0 and torch.isfinite(adv).all()  # the group of one: 0, never NaN
+    centred = grpo.group_advantages(rewards, group, "none")
+    torch.testing.assert_close(centred[5:], rewards[5:] - rewards[4:].mean())
+    equal = grpo.group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]), "std")
+    assert torch.equal(equal, torch.zeros(4))  # all-equal rewards: no signal
+
+
+# ------------------------------------------------------------------------------- the update
+
+def test_first_update_is_reinforce_with_ratio_one(model):
+    """μ = M = 1: nothing is clipped, and the gradient is -Σ A ∇log π / (loss tokens), with log π computed here
+    independently (full logits, one sequence at a time); excluded prefix tokens take no part."""
+    b, rewards = make_batch(skips=[0, 2, 0, 1, 0, 0, 3, 0])
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    stats, grads = run_update(model, b, adv, micro_batch=3)
+    assert stats["clip_low"] == stats["clip_high"] == 0 and stats["approx_kl"] == 0
     model.zero_grad(set_to_none=True)
-    lengths = torch.tensor([len(c) for c in comps])
-    n = len(comps)
-    micro = micro or n
-    total = 0.0
-    for s in range(0, n, micro):
-        idx = list(range(s, min(s + micro, n)))
-        ids, mask = grpo.build_batch([prompts[i] for i in idx], [comps[i] for i in idx], 0)
-        if extra_pad:
-            ids = torch.cat([ids, torch.zeros(len(idx), extra_pad, dtype=torch.long)], 1)
-            mask = torch.cat([mask, torch.zeros(len(idx), extra_pad, dtype=torch.bool)], 1)
-        w = grpo.token_weights(lengths[idx], cfg.loss_agg, cfg.max_new_tokens, n, int(lengths.sum()))
-        tok_adv = adv[idx].repeat_interleave(lengths[idx])
-        loss, *_ = grpo.micro_batch_loss(model, ids, mask, tok_adv, w, None, ref_logp, cfg)
-        loss.backward()
-        total += loss.item()
-    return total, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
-def test_ratio_one_and_gradient_is_reinforce(model):
-    cfg = grpo.Config(loss_agg="token-mean", max_new_tokens=8, temperature=0.7)
-    prompts, comps, rewards = batch_of()
-    adv = grpo.group_advantages(rewards, "std").flatten()
-    _, grad = loss_and_grad(model, prompts, comps, adv, cfg)
-    # REINFORCE: -Σ A log π / (number of tokens)
-    model.zero_grad(set_to_none=True)
-    ids, mask = grpo.build_batch(prompts, comps, 0)
-    logp, _ = grpo.token_logprobs(model, ids, mask, cfg.temperature)
-    lengths = torch.tensor([len(c) for c in comps])
-    logp_old = logp.detach()
-    loss_tok, low, high = grpo.policy_loss(logp, logp_old, adv.repeat_interleave(lengths), cfg.eps_low, cfg.eps_high)
-    assert not low.any() and not high.any()  # ratio is exactly 1: nothing clipped
-    (-(adv.repeat_interleave(lengths) * logp).sum() / lengths.sum()).backward()
-    reinforce = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    assert grad.abs().max() > 0
-    torch.testing.assert_close(grad, reinforce, atol=1e-6, rtol=1e-5)
-
-
-def test_equal_rewards_give_no_gradient(model):
-    cfg = grpo.Config(max_new_tokens=8)
-    prompts, comps, _ = batch_of()
-    rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    for norm in ("std", "none"):
-        adv = grpo.group_advantages(rewards, norm)
-        assert torch.equal(adv, torch.zeros_like(adv))
-    _, grad = loss_and_grad(model, prompts, comps, torch.zeros(8), cfg)
-    assert grad.abs().max() == 0
-
-
-def test_dr_grpo_normalisation_and_padding(model):
-    cfg = grpo.Config(adv_norm="none", loss_agg="seq-mean-token-sum-norm", max_new_tokens=12)
-    prompts, comps, rewards = batch_of()
-    adv = grpo.group_advantages(rewards, "none")
-    torch.testing.assert_close(adv, rewards - rewards.mean(1, keepdim=True))
-    lengths = torch.tensor([len(c) for c in comps])
-    w = grpo.token_weights(lengths, cfg.loss_agg, cfg.max_new_tokens, 8, int(lengths.sum()))
-    torch.testing.assert_close(w, torch.full_like(w, 1 / (8 * 12)))  # Σ ℓ / (n × L_max)
-    plain, g1 = loss_and_grad(model, prompts, comps, adv.flatten(), cfg)
-    padded, g2 = loss_and_grad(model, prompts, comps, adv.flatten(), cfg, extra_pad=5)
-    assert plain == pytest.approx(padded, rel=1e-6, abs=1e-9)
-    torch.testing.assert_close(g1, g2)
+    n_loss = int((b.lengths - b.skip).sum())
+    loss = sum(-adv[i] * plain_logprobs(model, b.context[i], b.tokens[i], 0.7)[int(b.skip[i]):].sum()
+               for i in range(len(b.tokens))) / n_loss
+    loss.backward()
+    reinforce = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], reinforce, atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batching_gives_the_same_gradient(model, agg):
-    cfg = grpo.Config(loss_agg=agg, max_new_tokens=10)
-    prompts, comps, rewards = batch_of()
-    adv = grpo.group_advantages(rewards, "std").flatten()
-    _, big = loss_and_grad(model, prompts, comps, adv, cfg, micro=8)
-    _, small = loss_and_grad(model, prompts, comps, adv, cfg, micro=4)
-    torch.testing.assert_close(big, small, atol=1e-6, rtol=1e-5)
+def test_micro_batches_give_the_big_batch_gradient(model, agg):
+    b, rewards = make_batch(skips=[1, 0, 0, 2, 0, 1, 0, 0])
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    _, big = run_update(model, b, adv, loss_agg=agg, micro_batch=8)
+    _, small = run_update(model, b, adv, loss_agg=agg, micro_batch=3)
+    torch.testing.assert_close(big[0], small[0], atol=1e-7, rtol=1e-5)
 
 
-def test_seq_mean_token_mean_weights():
+def test_excluded_prefix_equals_prefix_in_the_context(model):
+    """A completion whose first k tokens are excluded trains exactly like one whose context holds those k tokens:
+    no gradient through them, and they count in no denominator."""
+    skips = [2, 0, 1, 0, 0, 3, 0, 1]
+    b, rewards = make_batch(skips=skips)
+    moved = grpo.Batch([c + t[:k] for c, t, k in zip(b.context, b.tokens, skips)], [t[k:] for t, k in zip(b.tokens, skips)],
+                       b.group, torch.zeros(8, dtype=torch.long), b.sampler_logp[b.train_mask()], b.finished, b.answer)
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        _, with_skip = run_update(model, b, adv, loss_agg=agg, micro_batch=4)
+        _, with_context = run_update(model, moved, adv, loss_agg=agg, micro_batch=4)
+        torch.testing.assert_close(with_skip[0], with_context[0], atol=1e-7, rtol=1e-5)
+
+
+def test_several_mini_batches_and_epochs_keep_ratio_one_on_pi_old(model):
+    """M = 2, μ = 2 with old log-probs from the scoring pass: the weights never move here, so every token's ratio
+    must be exactly 1 (old log-probs aligned token by token, skips included) and one gradient per mini-batch."""
+    b, rewards = make_batch(skips=[0, 1, 0, 0, 2, 0, 0, 1])
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    stats, grads = run_update(model, b, adv, mini_batches=2, epochs=2, micro_batch=3)
+    assert len(grads) == 4 and stats["opt_steps"] == 4
+    assert stats["approx_kl"] < 1e-10 and stats["clip_low"] == stats["clip_high"] == 0
+    torch.testing.assert_close(grads[0], grads[2])  # epoch 2 repeats epoch 1 on unchanged weights
+
+
+def test_a_group_of_one_adds_nothing(model):
+    b, rewards = make_batch(n=8, groups=(3, 1, 4))
+    adv = grpo.group_advantages(rewards, b.group, "none")
+    assert adv[3] == 0
+    _, with_single = run_update(model, b, adv, loss_agg="seq-mean-token-sum-norm", adv_norm="none")
+    keep = b.group != 1
+    _, without = run_update(model, b.select(keep), adv[keep], loss_agg="seq-mean-token-sum-norm", adv_norm="none")
+    # the constant normaliser counts completions: 8 with the single, 7 without
+    torch.testing.assert_close(with_single[0] * 8 / 7, without[0], atol=1e-7, rtol=1e-5)
+
+
+def test_kl_to_an_identical_reference_is_zero(model):
+    b, rewards = make_batch()
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    cfg = grpo.Config(temperature=0.7, micro_batch=4)
+    cpu, plain = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    ref, _ = grpo.trainer_logprobs(model, b, cfg, 0, cpu, plain)
+    grads = []
+    for kl in (0.0, 0.5):
+        opt = RecordingOptimizer(model)
+        stats = grpo.update(model, model, opt, b, adv, grpo.Config(temperature=0.7, kl_coef=kl, max_grad_norm=1e9), 0,
+                            cpu, plain, ref_logp=ref)
+        grads.append(opt.grads[0])
+    assert stats["ref_kl"] == pytest.approx(0, abs=1e-9)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-7, rtol=1e-6)
+
+
+def test_reference_is_scored_like_the_policy(tiny_model_dir):
+    """The reference model is loaded and run as the policy is (fp32 weights under the same autocast), so
+    KL(π_θ || π_ref) is exactly 0 before the first update, in bf16 autocast too."""
+    policy, ref = Transformer.from_pretrained(tiny_model_dir), Transformer.from_pretrained(tiny_model_dir)
+    b, _ = make_batch()
+    cfg = grpo.Config(temperature=0.8, micro_batch=4)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    assert torch.equal(grpo.trainer_logprobs(policy, b, cfg, 0, torch.device("cpu"), bf16)[0],
+                       grpo.trainer_logprobs(ref, b, cfg, 0, torch.device("cpu"), bf16)[0])
+
+
+def test_trainer_logprobs_equal_each_sequence_alone(model):
+    """Right padding and the fused head change nothing: each completion's scored log-probs equal those of a
+    plain forward of that sequence alone."""
+    b, _ = make_batch()
+    logp, entropy = grpo.trainer_logprobs(model, b, grpo.Config(temperature=0.7, micro_batch=8), 0, torch.device("cpu"),
+                               torch.autocast("cpu", enabled=False))
+    alone = torch.cat([plain_logprobs(model, c, t, 0.7) for c, t in zip(b.context, b.tokens)])
+    torch.testing.assert_close(logp.double(), alone.detach(), atol=2e-5, rtol=1e-5)
+    assert (entropy > 0).all()
+
+
+def test_token_weights():
     lengths = torch.tensor([2, 4])
-    w = grpo.token_weights(lengths, "seq-mean-token-mean", 8, 2, 6)
-    torch.testing.assert_close(w, torch.tensor([1 / 4, 1 / 4, 1 / 8, 1 / 8, 1 / 8, 1 / 8]))
+    torch.testing.assert_close(grpo.token_weights(lengths, "seq-mean-token-mean", 8, 2, 6),
+                               torch.tensor([1 / 4, 1 / 4, 1 / 8, 1 / 8, 1 / 8, 1 / 8]))
+    torch.testing.assert_close(grpo.token_weights(lengths, "seq-mean-token-sum-norm", 8, 2, 6), torch.full((6,), 1 / 16))
+    torch.testing.assert_close(grpo.token_weights(lengths, "token-mean", 8, 2, 6), torch.full((6,), 1 / 6))
 
 
-def test_kl_to_identical_reference_is_zero(model):
-    prompts, comps, rewards = batch_of()
-    adv = grpo.group_advantages(rewards, "std").flatten()
-    ids, mask = grpo.build_batch(prompts, comps, 0)
+def test_non_finite_gradient_skips_the_step(model, monkeypatch):
+    b, rewards = make_batch()
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    real = grpo.policy_loss
+
+    def nan_loss(logp, *args, **kw):
+        loss, low, high = real(logp, *args, **kw)
+        return loss * float("nan"), low, high
+
+    monkeypatch.setattr(grpo, "policy_loss", nan_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = grpo.Config(mini_batches=2)
+    stats = grpo.update(model, model, opt, b, adv, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    assert stats["skipped"] == 2 and stats["opt_steps"] == 0 and stats["skipped_since_last_step"] == 2
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):
+    m = Transformer.from_pretrained(tiny_model_dir)
+    opt = torch.optim.AdamW(m.parameters())
+    ckpt = tmp_path / "checkpoint"
+    cfg = grpo.Config(model=str(tiny_model_dir))
+    grpo.save(m, opt, ckpt, 1, cfg)
+    good = (ckpt / "model.safetensors").read_bytes()
     with torch.no_grad():
-        ref_logp, _ = grpo.token_logprobs(model, ids, mask, 0.7)
-    _, with_kl = loss_and_grad(model, prompts, comps, adv, grpo.Config(kl_coef=0.5, temperature=0.7), ref_logp=ref_logp)
-    _, without = loss_and_grad(model, prompts, comps, adv, grpo.Config(kl_coef=0.0, temperature=0.7))
-    torch.testing.assert_close(with_kl, without, atol=1e-7, rtol=1e-6)
+        m.norm.weight[0] = float("nan")
+    with pytest.raises(RunError, match="not finite"):
+        grpo.save(m, opt, ckpt, 2, cfg)
+    assert (ckpt / "model.safetensors").read_bytes() == good
 
 
 def test_step_prompts_cover_each_epoch_once():
@@ -181,10 +291,7 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
-    task = tmp_path / "digits.jsonl"
-    task.write_text("".join(json.dumps({"prompt": f"Say {d}", "answer": str(d)}) + "\n" for d in list(range(10)) * 3))
-    common = ["--model", str(digit_model_dir), "--task", str(task), "--prompts-per-step", "2", "--group-size", "8",
-              "--max-new-tokens", "1", "--eval-size", "3", "--micro-batch", "4", "--eval-every", "100", "--lr", "1e-2", "--dtype", "float32"]
+    common = digit_run(digit_model_dir, tmp_path)
     run_grpo(tmp_path, *common, "--steps", "4", "--run-name", "full")
     run_grpo(tmp_path, *common, "--steps", "2", "--run-name", "cut")
     run_grpo(tmp_path, *common, "--steps", "4", "--run-name", "cut", "--resume")
@@ -205,7 +312,12 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--task", "no_such_task"], ["unknown task", "no_such_task"]),
     (["--task", "missing.jsonl"], ["missing.jsonl"]),
     (["--task", "bad.jsonl"], ["bad.jsonl:2"]),
-    (["--group-size", "0"], ["--group-size", "positive"]),
+    (["--group-size", "1"], ["--group-size", "at least 2"]),
+    (["--eval-every", "0"], ["--eval-every", "positive"]),
+    (["--save-every", "0"], ["--save-every", "positive"]),
+    (["--train-size", "0"], ["--train-size", "positive"]),
+    (["--max-new-tokens", "5000"], ["--max-new-tokens", "positions"]),
+    (["--tis-cap", "0.5"], ["--tis-cap"]),
     (["--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "2"], ["--mini-batches"]),
     (["--loss-agg", "mean"], ["--loss-agg", "invalid choice"]),
 ])
@@ -218,6 +330,66 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, args
     for w in words:
         assert w in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a CUDA GPU")
+def test_cuda_without_a_gpu_is_one_line(tmp_path, tiny_model_dir):
+    r = run_grpo(tmp_path, "--model", str(tiny_model_dir), "--run-name", "bad", *TINY_RUN, "--device", "cuda", check=False)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--device" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def digits_task(tmp_path):
+    task = tmp_path / "digits.jsonl"
+    task.write_text("".join(json.dumps({"prompt": f"Say {d}", "answer": str(d)}) + "\n" for d in list(range(10)) * 3))
+    return task
+
+
+def digit_run(digit_model_dir, tmp_path):
+    return ["--model", str(digit_model_dir), "--task", str(digits_task(tmp_path)), "--prompts-per-step", "2",
+            "--group-size", "8", "--max-new-tokens", "1", "--eval-size", "3", "--micro-batch", "4", "--eval-every", "100",
+            "--lr", "1e-2", "--dtype", "float32"]
+
+
+def test_loop_with_every_option_on(tmp_path, digit_model_dir):
+    """M > 1, μ > 1, β > 0, dynamic sampling, GSPO ratio, truncated IS and an entropy bonus, in main() itself."""
+    run_grpo(tmp_path, *digit_run(digit_model_dir, tmp_path), "--steps", "3", "--run-name", "all", "--epochs", "2",
+             "--mini-batches", "2", "--kl-coef", "0.1", "--dynamic-sampling", "--seq-ratio", "--tis-cap", "2",
+             "--entropy-coef", "0.01", "--warmup-steps", "1")
+    rows = [r for r in metrics(tmp_path, "all") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    trained = [r for r in rows if r["reward/groups_dropped"] < 2]
+    assert trained, "every group was dropped: the digit model's rewards did not vary"
+    for r in trained:
+        assert r["optim/grad_norm"] > 0 and r["optim/skipped_steps"] == 0
+        assert r["policy/ref_kl"] >= 0 and r["policy/approx_kl"] >= 0
+    assert any(r["policy/approx_kl"] > 0 for r in trained)  # the second epoch/mini-batch sees moved weights
+
+
+def test_diverged_run_stops_and_keeps_the_checkpoint(tmp_path, digit_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [*digit_run(digit_model_dir, tmp_path), "--run-name", "nan", "--save-every", "1", "--max-skipped", "2"]
+    grpo.main([*argv, "--steps", "2"])
+    ckpt = tmp_path / "runs" / "nan" / "checkpoint"
+    good = (ckpt / "model.safetensors").read_bytes()
+    real = grpo.policy_loss
+    monkeypatch.setattr(grpo, "policy_loss", lambda logp, *a, **k: (real(logp, *a, **k)[0] * float("nan"), *real(logp, *a, **k)[1:]))
+    with pytest.raises(RunError, match="2 optimizer steps in a row"):
+        grpo.main([*argv, "--steps", "6", "--resume"])
+    rows = [r for r in metrics(tmp_path, "nan") if "optim/skipped_steps" in r]
+    assert [r["optim/skipped_steps"] for r in rows if r["step"] > 2][:1] == [1.0]
+    assert (ckpt / "model.safetensors").read_bytes() == good  # the skipped steps changed no weight
+
+
+def test_resume_after_a_torn_metrics_line_and_refuses_other_data(tmp_path, digit_model_dir):
+    argv = [*digit_run(digit_model_dir, tmp_path), "--run-name", "torn"]
+    run_grpo(tmp_path, *argv, "--steps", "1")
+    log = tmp_path / "runs" / "torn" / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 2, "reward/me')  # a crash in the middle of a write
+    r = run_grpo(tmp_path, *argv, "--steps", "2", "--resume", "--seed", "5", check=False)
+    assert r.returncode == 2 and "--seed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    run_grpo(tmp_path, *argv, "--steps", "2", "--resume")
+    assert [row["step"] for row in metrics(tmp_path, "torn") if "reward/mean" in row] == [1, 2]
 
 
 def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
