@@ -26,6 +26,9 @@ from numbers import Integral
 
 import torch
 
+# the project's one softmax / log-prob / entropy, shared with the trainer's reference ops:
+# softmax_stats(logits [B, V], T) -> (logp [B, V], probs [B, V], entropy [B]); logprobs_entropy gathers from it
+from kernels.reference import logprobs_entropy, softmax_stats
 
 
 @dataclass
@@ -56,15 +59,6 @@ class Companion:
 
 
 # ------------------------------------------------------------------------------------------ sampling
-
-def softmax_stats(logits, temperature=1.0):
-    """logits [B, V] -> (logp [B, V], probs [B, V], entropy [B]) of softmax(logits / temperature), fp32,
-    over the full vocabulary. Logits are finite, so p * log p needs no guard for p = 0."""
-    z = logits.float() if temperature == 1 else logits.float() / temperature
-    logp = torch.log_softmax(z, -1)
-    probs = logp.exp()
-    return logp, probs, -(probs * logp).sum(-1)
-
 
 def sample(probs, top_k=0, top_p=1.0, generator=None):
     """probs [B, V] -> token ids [B], drawn from probs restricted to its top_k entries, then to the smallest
@@ -99,13 +93,6 @@ def sample_from_logits(logits, temperature=1.0, top_k=0, top_p=1.0, generator=No
     if temperature == 0:
         return logits.max(-1).indices  # argmax (max is ~3x faster than argmax on CPU)
     return sample(softmax_stats(logits, temperature)[1], top_k, top_p, generator)
-
-
-def logprobs_entropy(logits, tokens, temperature=1.0):
-    """logits [B, V], tokens [B] -> (log-prob of each token, entropy) [B] under softmax(logits / T), fp32:
-    the same values the trainer's kernels.logprobs_entropy computes."""
-    logp, _, entropy = softmax_stats(logits, temperature)
-    return logp.gather(-1, tokens[:, None])[:, 0], entropy
 
 
 # ------------------------------------------------------------------------------------------- forward

@@ -8,21 +8,34 @@ first: the kernels compute exactly these functions, only with less memory traffi
 import torch
 
 
+def softmax_stats(logits, temperature=1.0):
+    """logits [..., V] -> (logp [..., V], probs [..., V], entropy [...]) of softmax(logits / T) over the
+    full vocabulary, differentiable. The project's one softmax: the sampler draws from probs and records
+    logp and entropy with it (common/sampler.py), logprobs_entropy below gathers from it.
+    Math runs in fp32 (or fp64 when given fp64) whatever the input dtype.
+    """
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1:
+        # softmax does not see a shift; subtracting the max before the division by T keeps fp32 exact
+        # for logits of large magnitude (x / T alone would round 1e4 + 0.5 by ~5e-4). At T = 1
+        # log_softmax's own max shift does the same. In place: the sampler runs this every token.
+        x = (x - x.detach().amax(-1, keepdim=True)).div_(temperature)
+    logp = torch.log_softmax(x, dim=-1)
+    probs = logp.exp()
+    # p log p is 0 where p is 0: nan_to_num turns the 0 * -inf of a masked (-inf) logit into that 0
+    # (in the forward only; a real nan still shows in logp). A where() would cost the sampler ~2 passes.
+    entropy = -(probs * logp).nan_to_num_(0.0).sum(-1)
+    return logp, probs, entropy
+
+
 def logprobs_entropy(logits, targets, temperature=1.0):
     """log softmax(logits / T)[target] and the entropy of softmax(logits / T), per row.
 
     logits [..., V] (any float dtype), targets [...] long. Returns fp32 (logp, entropy) [...].
     Math runs in fp32 (or fp64 when given fp64) whatever the input dtype.
     """
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    # softmax does not see a shift; subtracting the max before the division by T keeps fp32 exact
-    # for logits of large magnitude (x / T alone would round 1e4 + 0.5 by ~5e-4)
-    z = (x - x.detach().amax(-1, keepdim=True)) / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
+    logp_all, _, entropy = softmax_stats(logits, temperature)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    p = logp_all.exp()
-    # p log p is 0 where p is 0; the where keeps -inf logits (masked vocab) from giving 0 * -inf = nan
-    entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)
     return logp.float(), entropy.float()
 
 
