@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from common import checkpoint, dist
+from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
 from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate
 from common.logger import MetricsLog
@@ -136,87 +137,6 @@ def check_context(model, tok, problems, cfg):
           f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
 
 
-# ------------------------------------------------------------------------------- the flat batch
-
-@dataclass
-class Batch:
-    """One step's completions, flat (CleanRL's `b_` batch). Completion i was sampled from context[i]; its
-    first skip[i] tokens were given, not sampled (a prefix), and get no loss."""
-    context: list  # [N] token ids each completion is conditioned on
-    tokens: list  # [N] completion token ids, the stop token included when one was hit
-    group: torch.Tensor  # [N] long: advantages are relative within a group; groups may differ in size
-    skip: torch.Tensor  # [N] long: leading completion tokens excluded from the loss and every denominator
-    sampler_logp: torch.Tensor  # [n_tok] the sampler's log-probs of every completion token, flat
-    finished: torch.Tensor  # [N] bool: a stop token ended the completion (False: cut at max_new_tokens)
-    answer: list  # [N] the reference answer each completion is graded against
-
-    @property
-    def lengths(self):  # [N] completion tokens
-        return torch.tensor([len(t) for t in self.tokens], dtype=torch.long)
-
-    def train_mask(self):  # [n_tok] bool: the completion tokens that get a loss
-        return torch.cat([torch.arange(n) >= k for n, k in zip(self.lengths.tolist(), self.skip.tolist())])
-
-    def select(self, keep: torch.Tensor) -> "Batch":
-        """The completions where keep [N] is True, in order."""
-        idx = keep.nonzero()[:, 0].tolist()
-        tok_keep = keep.repeat_interleave(self.lengths)
-        return Batch([self.context[i] for i in idx], [self.tokens[i] for i in idx], self.group[keep], self.skip[keep],
-                     self.sampler_logp[tok_keep], self.finished[keep], [self.answer[i] for i in idx])
-
-
-def to_batch(contexts, groups, answers, group_ids) -> Batch:
-    """generate()'s nested output (one list of samples per context) -> a flat Batch. answers and group_ids
-    give one value per context; a sample's given prefix (Sample.prefix_len) is excluded from the loss."""
-    samples = [(c, s, a, g) for c, ss, a, g in zip(contexts, groups, answers, group_ids) for s in ss]
-    return Batch(context=[c for c, *_ in samples], tokens=[s.tokens for _, s, *_ in samples],
-                 group=torch.tensor([g for *_, g in samples], dtype=torch.long),
-                 skip=torch.tensor([s.prefix_len for _, s, *_ in samples], dtype=torch.long),
-                 sampler_logp=torch.cat([s.logprobs.float() for _, s, *_ in samples]),
-                 finished=torch.tensor([s.finished for _, s, *_ in samples], dtype=torch.bool),
-                 answer=[a for *_, a, _ in samples])
-
-
-def build_inputs(contexts, completions, skip, pad_id):
-    """Right-padded context+completion ids [n, T] and a mask [n, T-1] over the positions that predict a
-    completion token at or after skip. Right padding needs no attention mask: real tokens never see the pads."""
-    seqs = [c + t for c, t in zip(contexts, completions)]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
-    for i, (c, t, k) in enumerate(zip(contexts, completions, skip)):
-        ids[i, : len(c) + len(t)] = torch.tensor(c + t)
-        mask[i, len(c) - 1 + k: len(c) - 1 + len(t)] = True
-    return ids, mask
-
-
-def token_logprobs(model, ids, mask, temperature):
-    """Log-probs and entropies of the masked completion tokens, flat [n_tokens], from logits / temperature.
-    The LM head and log-softmax are fused: the [tokens, vocab] logits are never held whole."""
-    return model(ids[:, :-1], targets=ids[:, 1:], target_mask=mask, temperature=temperature)
-
-
-def token_index(lengths, idx):
-    """Positions in the flat [n_tok] arrays of the tokens of completions idx, in order."""
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.cat([torch.arange(offsets[i], offsets[i] + lengths[i]) for i in idx])
-
-
-@torch.no_grad()
-def trainer_logprobs(model, b: Batch, cfg, pad_id, device, autocast):
-    """The trainer's own log-probs and entropies of every completion token, flat [n_tok], at the sampling
-    temperature and with the update's numerics: π_old for the ratio, before any update."""
-    logp, entropy = [torch.zeros(0)], [torch.zeros(0)]
-    for i in range(0, len(b.tokens), cfg.micro_batch):
-        sl = slice(i, i + cfg.micro_batch)
-        ids, mask = build_inputs(b.context[sl], b.tokens[sl], [0] * len(b.tokens[sl]), pad_id)
-        with autocast:
-            lp, ent = token_logprobs(model, ids.to(device), mask.to(device), cfg.temperature)
-        logp.append(lp.float().cpu())
-        entropy.append(ent.float().cpu())
-    return torch.cat(logp), torch.cat(entropy)
-
-
 # ----------------------------------------------------------------------------- rewards -> advantages
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
@@ -270,7 +190,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
     (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
     kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
-    N, lengths, train = len(b.tokens), b.lengths, b.train_mask()
+    N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
@@ -285,17 +205,15 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
             optimizer.zero_grad(set_to_none=True)
             micro = [idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
             for j, mb in enumerate(micro):
-                tok = token_index(lengths, mb)
-                tok = tok[train[tok]]  # the loss tokens of these completions, in the forward's order
-                ids, mask = build_inputs([b.context[i] for i in mb], [b.tokens[i] for i in mb], b.skip[mb].tolist(), pad_id)
                 w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
-                extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
-                if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
-                    extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
-                if cfg.tis_cap:
-                    extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
                 with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
-                    logp, entropy = token_logprobs(policy, ids.to(device), mask.to(device), cfg.temperature)
+                    # log π_θ of the loss tokens of completions mb, and their positions tok in the flat [n_tok] arrays
+                    logp, entropy, tok = completion_logprobs(policy, b, mb, cfg.temperature, pad_id, device)
+                    extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                    if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
+                        extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
+                    if cfg.tis_cap:
+                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
                     loss_tok, clip_low, clip_high = policy_loss(
@@ -446,9 +364,9 @@ def main(argv=None):
         # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
-            old_logp, _ = trainer_logprobs(model, b, cfg, tok.pad_id, device, autocast)
+            old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         if ref_model is not None:
-            ref_logp, _ = trainer_logprobs(ref_model, b, cfg, tok.pad_id, device, autocast)
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         t_score = time.time()
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens

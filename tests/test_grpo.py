@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import grpo
+from common.batch import Batch, trainer_logprobs
 from common.config import RunError
 from common.model import Transformer
 
@@ -35,7 +36,7 @@ def make_batch(n=8, groups=(3, 1, 4), skips=None, seed=0):
     skip = torch.tensor(skips if skips is not None else [0] * n)
     group = torch.tensor([k for k, size in enumerate(groups) for _ in range(size)])
     lengths = torch.tensor([len(c) for c in comps])
-    b = grpo.Batch(ctx, comps, group, skip, -torch.rand(int(lengths.sum()), generator=g), torch.ones(n, dtype=torch.bool),
+    b = Batch(ctx, comps, group, skip, -torch.rand(int(lengths.sum()), generator=g), torch.ones(n, dtype=torch.bool),
                    ["0"] * n)
     rewards = torch.tensor([float(i % 2) for i in range(n)])
     return b, rewards
@@ -58,8 +59,8 @@ class RecordingOptimizer:
 def run_update(model, b, adv, **cfg_kw):
     cfg = grpo.Config(**{"max_grad_norm": 1e9, "temperature": 0.7, "max_new_tokens": 10, **cfg_kw})
     opt = RecordingOptimizer(model)
-    old = grpo.trainer_logprobs(model, b, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))[0] \
-        if cfg.epochs * cfg.mini_batches > 1 else None
+    old = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, 0, torch.device("cpu"),
+                           torch.autocast("cpu", enabled=False))[0] if cfg.epochs * cfg.mini_batches > 1 else None
     stats = grpo.update(model, model, opt, b, adv, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False),
                         old_logp=old)
     return stats, opt.grads
@@ -123,7 +124,7 @@ def test_excluded_prefix_equals_prefix_in_the_context(model):
     no gradient through them, and they count in no denominator."""
     skips = [2, 0, 1, 0, 0, 3, 0, 1]
     b, rewards = make_batch(skips=skips)
-    moved = grpo.Batch([c + t[:k] for c, t, k in zip(b.context, b.tokens, skips)], [t[k:] for t, k in zip(b.tokens, skips)],
+    moved = Batch([c + t[:k] for c, t, k in zip(b.context, b.tokens, skips)], [t[k:] for t, k in zip(b.tokens, skips)],
                        b.group, torch.zeros(8, dtype=torch.long), b.sampler_logp[b.train_mask()], b.finished, b.answer)
     adv = grpo.group_advantages(rewards, b.group, "std")
     for agg in ("token-mean", "seq-mean-token-mean"):
@@ -157,9 +158,8 @@ def test_a_group_of_one_adds_nothing(model):
 def test_kl_to_an_identical_reference_is_zero(model):
     b, rewards = make_batch()
     adv = grpo.group_advantages(rewards, b.group, "std")
-    cfg = grpo.Config(temperature=0.7, micro_batch=4)
     cpu, plain = torch.device("cpu"), torch.autocast("cpu", enabled=False)
-    ref, _ = grpo.trainer_logprobs(model, b, cfg, 0, cpu, plain)
+    ref, _ = trainer_logprobs(model, b, 4, 0.7, 0, cpu, plain)
     grads = []
     for kl in (0.0, 0.5):
         opt = RecordingOptimizer(model)
@@ -175,18 +175,16 @@ def test_reference_is_scored_like_the_policy(tiny_model_dir):
     KL(π_θ || π_ref) is exactly 0 before the first update, in bf16 autocast too."""
     policy, ref = Transformer.from_pretrained(tiny_model_dir), Transformer.from_pretrained(tiny_model_dir)
     b, _ = make_batch()
-    cfg = grpo.Config(temperature=0.8, micro_batch=4)
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
-    assert torch.equal(grpo.trainer_logprobs(policy, b, cfg, 0, torch.device("cpu"), bf16)[0],
-                       grpo.trainer_logprobs(ref, b, cfg, 0, torch.device("cpu"), bf16)[0])
+    assert torch.equal(trainer_logprobs(policy, b, 4, 0.8, 0, torch.device("cpu"), bf16)[0],
+                       trainer_logprobs(ref, b, 4, 0.8, 0, torch.device("cpu"), bf16)[0])
 
 
 def test_trainer_logprobs_equal_each_sequence_alone(model):
     """Right padding and the fused head change nothing: each completion's scored log-probs equal those of a
     plain forward of that sequence alone."""
     b, _ = make_batch()
-    logp, entropy = grpo.trainer_logprobs(model, b, grpo.Config(temperature=0.7, micro_batch=8), 0, torch.device("cpu"),
-                               torch.autocast("cpu", enabled=False))
+    logp, entropy = trainer_logprobs(model, b, 8, 0.7, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))
     alone = torch.cat([plain_logprobs(model, c, t, 0.7) for c, t in zip(b.context, b.tokens)])
     torch.testing.assert_close(logp.double(), alone.detach(), atol=2e-5, rtol=1e-5)
     assert (entropy > 0).all()
