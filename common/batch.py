@@ -61,17 +61,51 @@ def token_index(lengths: torch.Tensor, idx) -> torch.Tensor:
                      [torch.arange(int(offsets[i]), int(offsets[i] + lengths[i])) for i in idx])
 
 
-def build_inputs(contexts, completions, skip, pad_id):
-    """Right-padded context+completion ids [n, T] and a mask [n, T-1] over the positions that predict a
-    completion token at or after skip. Right padding needs no attention mask: real tokens never see the pads."""
-    seqs = [c + t for c, t in zip(contexts, completions)]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
-    for i, (c, t, k) in enumerate(zip(contexts, completions, skip)):
-        ids[i, : len(c) + len(t)] = torch.tensor(c + t)
-        mask[i, len(c) - 1 + k: len(c) - 1 + len(t)] = True
-    return ids, mask
+# Longest packed row: G completions after one shared prompt make one row whose attention mask is [T, T].
+MAX_PACKED_TOKENS = 2048
+
+
+def pack_inputs(contexts, completions, skip, pad_id):
+    """Completions that share a context go into one row after a single copy of it (shared-prefix training: the
+    prompt's states are computed once per group instead of once per completion, and its gradient is the sum).
+
+    A row is context[:-1], then for each completion a segment [context[-1], *completion] whose tokens see the
+    shared part and the earlier tokens of their own segment only, at the positions they would have alone; the
+    context's last token is repeated so that each segment predicts its own first token. Returns ids [R, T],
+    targets [R, T], target mask [R, T] (completion tokens at or after skip), positions [R, T], a who-sees-whom
+    mask [R, T, T] (None when every row holds one completion: then plain causal attention does it), and for each
+    masked target the index (into the inputs) of the completion it belongs to, row after row."""
+    rows = {}  # context -> member completions, in order of first appearance
+    for i, c in enumerate(contexts):
+        members = rows.setdefault(tuple(c), [[]])
+        if members[-1] and len(c) + sum(len(completions[j]) + 1 for j in members[-1]) + len(completions[i]) > MAX_PACKED_TOKENS:
+            members.append([])  # this row is full: the context again in a new row
+        members[-1].append(i)
+    packed = [(list(c), m) for c, ms in rows.items() for m in ms]
+    T = max(len(c) - 1 + sum(len(completions[i]) + 1 for i in m) for c, m in packed)
+    ids, targets, pos = (torch.full((len(packed), T), v, dtype=torch.long) for v in (pad_id, pad_id, 0))
+    segment = torch.full((len(packed), T), -2, dtype=torch.long)  # -1: shared context, -2: padding, j: member j
+    target_mask = torch.zeros(len(packed), T, dtype=torch.bool)
+    owner = []
+    for r, (c, members) in enumerate(packed):
+        P = len(c) - 1
+        ids[r, :P], pos[r, :P], segment[r, :P] = torch.tensor(c[:-1], dtype=torch.long), torch.arange(P), -1
+        at = P
+        for j, i in enumerate(members):
+            t, L = completions[i], len(completions[i])
+            ids[r, at:at + L + 1] = torch.tensor([c[-1], *t], dtype=torch.long)
+            targets[r, at:at + L] = torch.tensor(t, dtype=torch.long)
+            pos[r, at:at + L + 1] = torch.arange(P, P + L + 1)
+            segment[r, at:at + L + 1] = j
+            target_mask[r, at + skip[i]:at + L] = True
+            owner += [i] * (L - skip[i])
+            at += L + 1
+    mask = None
+    if any(len(m) > 1 for _, m in packed):
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        same = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == -1)
+        mask = causal & same  # padding sees padding, itself included: no query is left with nothing to see
+    return ids, targets, target_mask, pos, mask, torch.tensor(owner, dtype=torch.long)
 
 
 def completion_logprobs(model, b: Batch, idx, temperature, pad_id, device, loss_only=True):
@@ -79,13 +113,16 @@ def completion_logprobs(model, b: Batch, idx, temperature, pad_id, device, loss_
     their tokens with loss_only=False), flat and completion after completion, with their positions `tok` in b's
     flat [n_tok] arrays. The LM head and log-softmax are fused: the [tokens, vocab] logits are never held whole."""
     skip = b.skip[idx].tolist() if loss_only else [0] * len(idx)
-    ids, mask = build_inputs([b.context[i] for i in idx], [b.tokens[i] for i in idx], skip, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    logp, entropy = model(ids[:, :-1], targets=ids[:, 1:], target_mask=mask, temperature=temperature)
+    ids, targets, target_mask, pos, mask, owner = pack_inputs([b.context[i] for i in idx], [b.tokens[i] for i in idx],
+                                                              skip, pad_id)
+    kw = {} if mask is None else dict(attention_mask=mask.to(device), positions=pos.to(device))
+    logp, entropy = model(ids.to(device), targets=targets.to(device), target_mask=target_mask.to(device),
+                          temperature=temperature, **kw)
+    order = torch.argsort(owner, stable=True).to(device)  # rows hold completions grouped by context: back to idx order
     tok = token_index(b.lengths, idx)
     if loss_only:
         tok = tok[b.train_mask()[tok]]
-    return logp, entropy, tok
+    return logp[order], entropy[order], tok
 
 
 @torch.no_grad()

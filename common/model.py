@@ -254,7 +254,8 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab] (or final hidden states [B, T, d]).
 
         attention_mask: [B, start + T] bool/int, 1 on real tokens (left padding is 0). Without a cache and
-          without padding, leave it None: attention is plain causal.
+          without padding, leave it None: attention is plain causal. Or [B, T, T] bool: query t sees key s
+          (no cache; give positions too), for sequences packed side by side after a shared prefix.
         positions: [B, T] rope positions; by default counted over real tokens only (so padding shifts nothing).
         cache, start: a KVCache; these T tokens are written at columns start..start+T-1 and attend to all
           filled columns before them. A 0-dim tensor `start` (T = 1, positions and a whole-cache
@@ -268,6 +269,8 @@ class Transformer(nn.Module):
         mask = None
         if torch.is_tensor(start):  # a compiled one-token step: attention_mask [B, max_len] marks the live columns
             mask = attention_mask[:, None, None, :]
+        elif attention_mask is not None and attention_mask.dim() == 3:  # [B, T, S]: who sees whom, given whole
+            mask = attention_mask.bool()[:, None]  # e.g. several completions packed after one shared prompt
         elif attention_mask is not None:
             valid = attention_mask.bool()
             if positions is None:

@@ -1,0 +1,93 @@
+"""common/batch.py: the flat batch and the trainer's packed forward (completions that share a context are
+computed after one copy of it) give the log-probs, entropies and gradients of each sequence computed alone."""
+import pytest
+import torch
+
+from common import batch as cb
+from common.batch import Batch, completion_logprobs, to_batch, token_index, trainer_logprobs
+from common.model import Transformer
+from common.sampler import Sample
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return Transformer.from_pretrained(tiny_model_dir)
+
+
+def shared_batch(seed=0):
+    """Two prompts with 3 and 4 completions, one prompt with 1, in mixed order, with skipped prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 9, 4)]
+    owner = [0, 1, 0, 1, 2, 1, 0, 1]
+    comps = [torch.randint(3, 1000, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in owner]
+    skip = torch.tensor([0, 1, 0, 0, 2, 0, 1, 0])
+    lengths = [len(c) for c in comps]
+    return Batch([prompts[o] for o in owner], comps, torch.tensor(owner), skip, torch.zeros(sum(lengths)),
+                 torch.ones(len(owner), dtype=torch.bool), ["1"] * len(owner))
+
+
+def alone(model, b, temperature):
+    """Each completion's log-probs and entropies from its own unpadded forward with full logits, in float64."""
+    logp, ent = [], []
+    for c, t in zip(b.context, b.tokens):
+        z = model(torch.tensor([c + t]))[0, len(c) - 1:-1].double() / temperature
+        lp = torch.log_softmax(z, -1)
+        logp.append(lp.gather(1, torch.tensor(t)[:, None])[:, 0])
+        ent.append(-(lp.exp() * lp).sum(-1))
+    return torch.cat(logp), torch.cat(ent)
+
+
+def test_packed_rows_share_the_context(monkeypatch):
+    b = shared_batch()
+    ids, targets, tmask, pos, mask, owner = cb.pack_inputs(b.context, b.tokens, [0] * 8, 0)
+    assert ids.shape[0] == 3 and mask is not None  # one row per distinct context
+    first_row = [i for i in range(8) if b.context[i] == b.context[0]]  # its targets, completion after completion
+    assert owner[:int(tmask[0].sum())].tolist() == [i for i in first_row for _ in b.tokens[i]]
+    assert int(tmask.sum()) == sum(len(t) for t in b.tokens)
+    monkeypatch.setattr(cb, "MAX_PACKED_TOKENS", 12)  # a full row starts another row with the context again
+    assert cb.pack_inputs(b.context, b.tokens, [0] * 8, 0)[0].shape[0] > 3
+
+
+@pytest.mark.parametrize("loss_only", [False, True])
+def test_packed_logprobs_equal_each_sequence_alone(model, loss_only):
+    b = shared_batch()
+    idx = [5, 0, 3, 4, 1, 7, 2, 6]  # any order: the result follows idx
+    logp, entropy, tok = completion_logprobs(model, b, idx, 0.7, 0, torch.device("cpu"), loss_only=loss_only)
+    want_logp, want_ent = alone(model, b, 0.7)
+    expected = token_index(b.lengths, idx)
+    if loss_only:
+        expected = expected[b.train_mask()[expected]]
+    assert torch.equal(tok, expected)
+    torch.testing.assert_close(logp.double(), want_logp[tok].detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), want_ent[tok].detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_packed_gradient_equals_the_unpacked_gradient(model):
+    b = shared_batch()
+    weights = torch.randn(int(b.lengths.sum()), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    logp, entropy, tok = completion_logprobs(model, b, list(range(8)), 0.9, 0, torch.device("cpu"))
+    ((logp + 0.1 * entropy) * weights[tok]).sum().backward()
+    packed = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    want_logp, want_ent = alone(model, b, 0.9)
+    ((want_logp + 0.1 * want_ent)[tok] * weights[tok].double()).sum().backward()
+    unpacked = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=1e-4)
+
+
+def test_trainer_logprobs_cover_every_token_in_order(model):
+    b = shared_batch()
+    logp, entropy = trainer_logprobs(model, b, 3, 0.7, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    want_logp, _ = alone(model, b, 0.7)
+    torch.testing.assert_close(logp.double(), want_logp.detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_to_batch_and_select():
+    s = lambda toks, pre=0: Sample(toks, -torch.rand(len(toks)), torch.rand(len(toks)), True, prefix_len=pre)  # noqa: E731
+    b = to_batch([[1, 2], [3]], [[s([5, 6]), s([7], 0)], [s([8, 9, 10], 1)]], ["a", "b"], group_ids=[4, 2])
+    assert b.group.tolist() == [4, 4, 2] and b.skip.tolist() == [0, 0, 1] and b.answer == ["a", "a", "b"]
+    assert b.context == [[1, 2], [1, 2], [3]] and b.train_mask().tolist() == [True, True, True, False, True, True]
+    kept = b.select(torch.tensor([True, False, True]))
+    assert kept.tokens == [[5, 6], [8, 9, 10]]
+    torch.testing.assert_close(kept.sampler_logp, torch.cat([b.sampler_logp[:2], b.sampler_logp[3:]]))
