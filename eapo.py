@@ -1,9 +1,209 @@
-"""EAPO (work in progress: the pieces; the loop comes with the new grpo.py skeleton)."""
+"""EAPO: Experience Augmented Policy Optimization (arXiv 2606.30420). GRPO whose rollouts take some tokens from
+a frozen policy π_RL of an earlier RL run: at critical decision points (the policy's next-token entropy above τ)
+of G_e augmented responses per group, the token is resampled from π_RL, with a probability λ_k annealed to 0 over
+T steps; an adapted importance weight corrects the loss for those tokens. Everything else is grpo.py's loop
+(`diff grpo.py eapo.py` shows EAPO and nothing else).
+
+    python grpo.py --run-name prior                      # 1. an RL run of the same model gives π_RL
+    python eapo.py --prior runs/prior/checkpoint         # 2. EAPO from the base model, with π_RL as experience
+    python eapo.py --prior runs/prior/checkpoint --steps 2 --run-name smoke    # any option: python eapo.py --help
+    python eapo.py --prior runs/prior/checkpoint --run-name NAME --resume      # continue a run
+
+One step: λ_k = λ_0 max(0, 1 - k/T). Sample G completions per prompt; the first G_e of each group are augmented:
+π_RL decodes alongside them (its own KV cache, never on ordinary ones) and at each token whose policy entropy
+(at the sampling temperature) exceeds τ, with probability λ_k, the policy's draw becomes a draft that speculative
+sampling (Chen et al. 2023, arXiv 2302.01318) accepts with min(1, π_RL/π_old) or replaces from the residual, so
+the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. The trainer's scoring
+pass gives π_old; with the stored log π_RL it rebuilds each token's behaviour probability μ = (1 - λ) π_old + λ π_RL
+(μ = π_old off the critical points), and the clipped loss of every token is weighted by ω = sg(π_old / μ).
+
+Only the paper's abstract and figure captions are public: the annealing shape, the form of the adapted
+importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are our
+reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
+(as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline).
+"""
+import copy
 import math
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
 
 import torch
 
-from common.sampler import draw, softmax_stats
+from common import checkpoint, dist
+from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
+from common.config import RunError, check, main_guard, parse
+from common.evaluate import evaluate
+from common.logger import MetricsLog
+from common.model import Transformer, compute_dtype
+from common.sampler import Companion, draw, generate
+from common.tasks import format_question, load_task
+from common.tokenizer import Tokenizer
+from common.verifier import extract_answer, score
+from kernels import policy_loss
+from kernels.reference import softmax_stats
+
+
+@dataclass
+class Config:
+    # run
+    run_name: str = ""  # writes runs/<run-name>/; empty = eapo-<date-time>
+    resume: bool = False  # continue runs/<run-name>/ from its last checkpoint
+    seed: int = 0  # seeds data order, sampling and init; same seed on CPU = same run
+    device: str = "auto"  # auto (cuda if available), cpu or cuda
+    dtype: str = "auto"  # matmul dtype: auto (bf16 on GPUs and CPUs with bf16 units, else float32), float32, bfloat16
+    # model and data
+    model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
+    task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
+    train_size: int = 2000  # problems generated for arith (ignored for data files)
+    # rollouts
+    steps: int = 15  # training steps
+    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    group_size: int = 8  # G: completions per prompt
+    max_new_tokens: int = 96  # L_max: completion budget in tokens
+    temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
+    top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
+    format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
+    # advantages and loss
+    adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    eps_low: float = 0.2  # clip ratio below 1 - eps_low
+    eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
+    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
+    kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    epochs: int = 1  # μ: passes over each batch of rollouts
+    mini_batches: int = 1  # M: optimizer steps per epoch
+    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    # optimizer
+    lr: float = 3e-5  # AdamW learning rate after warm-up
+    warmup_steps: int = 3  # linear warm-up from 0
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.99  # AdamW β2
+    max_grad_norm: float = 1.0  # gradient clipping
+    skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
+    max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
+    # evaluation and checkpoints
+    eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
+    eval_size: int = 100  # held-out problems per evaluation
+    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    save_every: int = 15  # checkpoint every N steps (and after the last)
+    # EAPO: experience from a prior RL policy π_RL
+    prior: str = ""  # π_RL: the checkpoint folder of an earlier RL run of the same model (runs/<name>/checkpoint)
+    lam0: float = 1.0  # λ_0: probability of taking a critical token from π_RL at step 1
+    anneal_steps: int = 8  # T: λ reaches 0 after T steps, then the run is plain GRPO
+    schedule: str = "linear"  # shape of λ_k from λ_0 to 0: linear, cosine, or constant (λ_0 until T)
+    augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = half of --group-size
+    tau: float = -1.0  # τ: critical tokens have policy entropy > τ (nats, at --temperature); -1 = calibrate
+    tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies
+    omega_cap: float = 0.0  # C_ω: truncate ω = π_old / μ at this value (0 = no truncation)
+    pos_only: bool = False  # drop the loss of incorrect augmented completions (EAPO Fig. 3a's "Pos-Only")
+
+    choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+               "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
+               "schedule": ["linear", "cosine", "constant"]}
+
+
+# Options a resumed run must share with the run it continues: they fix the data order and the model.
+RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
+
+
+def validate(cfg: Config):
+    """Refuse impossible options before anything is loaded or written."""
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
+                 "eval_every", "save_every", "train_size", "max_skipped"):
+        check(getattr(cfg, name) > 0, name, "a positive integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
+    check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
+    check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
+    check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
+    check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
+    check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
+          "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
+    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
+    check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
+    # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
+          "at most the completions per step on each rank (prompts_per_step / world * group_size)")
+    check(cfg.prior != "", "prior", "a checkpoint of an earlier RL run of this model, e.g. "
+          "`python grpo.py --run-name prior` then `python eapo.py --prior runs/prior/checkpoint`")
+    check(0 <= cfg.lam0 <= 1 and cfg.anneal_steps >= 0, "lam0/anneal_steps", "0 <= lam0 <= 1 and anneal_steps >= 0")
+    check(-1 <= cfg.augmented <= cfg.group_size, "augmented", f"-1 (half) or 0..{cfg.group_size} (the group size)")
+    check(cfg.tau == -1 or cfg.tau >= 0, "tau", "-1 (calibrate) or an entropy >= 0 in nats")
+    check(0 < cfg.tau_quantile < 1 and (cfg.omega_cap == 0 or cfg.omega_cap >= 1), "tau_quantile/omega_cap",
+          "0 < tau_quantile < 1 and omega_cap 0 (off) or >= 1")
+    # the policy's draw is the speculative draft: it must come from the whole softmax π_old
+    check(cfg.top_p == 1 or cfg.lam0 == 0, "top_p", "1 (EAPO drafts from the untruncated policy)")
+
+
+def check_resume(cfg: Config, saved: dict):
+    """A resumed run must see the data and model the checkpoint was trained on."""
+    for name in RESUME_FIXED:
+        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+
+
+def check_context(model, tok, problems, cfg):
+    """Prompt + completion must fit the model's positions; say so before anything is written."""
+    longest = max(len(tok.prompt(format_question(p))) for p in problems)
+    limit = model.cfg.max_position_embeddings
+    check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
+          f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
+
+
+# ----------------------------------------------------------------------------- rewards -> advantages
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
+    """rewards [N], group ids [N] -> advantages [N] relative to each completion's group (GRPO, DeepSeekMath
+    §4.1.2). Groups may differ in size; a group of one has advantage 0."""
+    n = int(group.max()) + 1 if len(group) else 0
+    count = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, rewards.double()) / count.clamp(min=1)
+    centred = rewards.double() - mean[group]
+    if norm == "none":  # Dr. GRPO §3.1: the std division re-weights groups by difficulty; leave it out
+        return centred.float()
+    # unbiased std, as DeepSeekMath's reference; a group of one has centred = 0, so 0 / (0 + 1e-6) = 0
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, group, centred ** 2) / (count - 1).clamp(min=1)
+    return (centred / (var.sqrt()[group] + 1e-6)).float()
+
+
+def boxed(text: str) -> bool:
+    """The optional format term: the completion uses \\boxed and an answer can be read from it."""
+    return "\\boxed" in text and extract_answer(text) is not None
+
+
+def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+    """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
+    from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
+    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    if agg == "token-mean":  # DAPO §3.3: every token counts the same
+        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+    elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
+        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
+        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(lengths)
+
+
+def step_prompts(train, step, n, seed):
+    """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
+    (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
+    out, perms = [], {}
+    for g in range((step - 1) * n, step * n):
+        epoch, i = divmod(g, len(train))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        out.append(train[int(perms[epoch][i])])
+    return out
 
 
 # -------------------------------------------------------------------------- EAPO: experience from π_RL
@@ -116,3 +316,322 @@ def resampled_ratio(resampled: list, augmented: list) -> float:
     nothing. resampled: one bool tensor per completion; augmented: one bool per completion."""
     n = sum(len(r) for r, a in zip(resampled, augmented) if a)
     return sum(int(r.sum()) for r, a in zip(resampled, augmented) if a) / max(n, 1)
+
+
+def load_prior(cfg, model, tok, device, dtype):
+    """π_RL, frozen: no gradient ever reaches it. It must share the policy's vocabulary and tokenizer, or its
+    probabilities would be of other tokens."""
+    prior = Transformer.from_pretrained(cfg.prior, device=device, dtype=dtype).eval().requires_grad_(False)
+    prior_tok = Tokenizer.from_pretrained(cfg.prior)
+    check(prior.cfg.vocab_size == model.cfg.vocab_size and prior_tok.tok.get_vocab(True) == tok.tok.get_vocab(True),
+          "prior", f"a model with the policy's tokenizer and vocabulary ({cfg.prior} has others)")
+    return prior
+
+
+def calibrate(rollout, contexts, cfg, tok, seed) -> float:
+    """τ from the starting policy: two completions of each of the first step's prompts, at the sampling
+    temperature. our choice: the first step's prompts are the ones τ first acts on."""
+    groups = generate(rollout, contexts, n=2, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                      stop_ids=tok.stop_ids, seed=seed)
+    return calibrate_tau(torch.cat([s.entropies for g in groups for s in g]), cfg.tau_quantile)
+
+
+def flat_extras(groups, keep_tok):
+    """The prior's per-token values of the kept completions, flat [n_tok] like Batch (zeros on ordinary ones)."""
+    samples = [s for g in groups for s in g]
+    return {k: torch.cat([s.extras[k] for s in samples])[keep_tok] for k in samples[0].extras}
+
+
+def eapo_metrics(lam, tau, groups, aug, correct, x, omega) -> dict:
+    """EAPO's diagnostics (its Fig. 2 logs the resampled ratio and the accuracy of augmented responses).
+    aug, correct [N] over all completions of the step; x, omega over the kept ones' tokens."""
+    entropies = torch.cat([s.entropies for g in groups for s in g])
+    m = {"eapo/lambda": lam, "eapo/tau": tau, "eapo/eligible_share": (entropies > tau).float().mean().item(),
+         "eapo/resampled_ratio": 0.0}
+    if aug.any():
+        samples = [s for g in groups for s in g]
+        m["eapo/resampled_ratio"] = resampled_ratio([s.extras["resampled"] for s in samples], aug.tolist())
+        m["eapo/injected_ratio"] = resampled_ratio([s.extras["injected"] for s in samples], aug.tolist())
+        m["eapo/acc_augmented"] = correct[aug].mean().item()
+        m["eapo/acc_ordinary"] = correct[~aug].mean().item() if not aug.all() else 0.0
+    if x and x["aug"].any():  # over the kept augmented completions' tokens
+        on_aug = x["aug"]  # [n_tok]
+        m["eapo/omega_mean"], m["eapo/omega_max"] = omega[on_aug].mean().item(), omega[on_aug].max().item()
+        # our choice: the exact KL(π_old || π_RL) over the vocabulary, at the augmented rows' positions (the
+        # prior never runs on ordinary rows); the paper's Fig. 3b plots a KL whose target is cut off
+        m["eapo/kl_prior"] = x["kl"][on_aug].mean().item()
+    return m
+
+
+# ------------------------------------------------------------------------------------------ update
+
+def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
+           loss_kw=None):
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
+    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
+    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    N, lengths = len(b.tokens), b.lengths
+    n_train = lengths - b.skip  # loss tokens per completion
+    tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
+    mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
+    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+                           "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
+                           "skipped_since_last_step"], 0.0)
+    for epoch in range(cfg.epochs if N else 0):
+        for idx in mini:
+            # the aggregation's totals over the whole mini-batch, summed over ranks
+            n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
+                                                                 float(n_train[idx].sum())])).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            micro = [idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
+            for j, mb in enumerate(micro):
+                w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
+                with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
+                    # log π_θ of the loss tokens of completions mb, and their positions tok in the flat [n_tok] arrays
+                    logp, entropy, tok = completion_logprobs(policy, b, mb, cfg.temperature, pad_id, device)
+                    extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                    if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
+                        extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
+                    if cfg.tis_cap:
+                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                    old = logp.detach() if old_logp is None else old_logp[tok].to(device)
+                    ref = None if ref_logp is None else ref_logp[tok].to(device)
+                    loss_tok, clip_low, clip_high = policy_loss(
+                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
+                    ((loss_tok * w.to(device)).sum() * dist.world()).backward()
+                with torch.no_grad():  # diagnostics
+                    log_ratio = logp.detach() - old
+                    stats["tokens"] += len(logp)
+                    stats["clip_low"] += clip_low.float().sum().item()
+                    stats["clip_high"] += clip_high.float().sum().item()
+                    stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
+                    stats["entropy"] += entropy.detach().sum().item()
+                    if ref is not None:
+                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if epoch == 0:
+                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
+                        stats["mismatch_tokens"] += len(old)
+            skipped = optimizer_step(model, optimizer, cfg, stats)
+            stats["skipped"] += skipped
+            stats["skipped_since_last_step"] = stats["skipped_since_last_step"] + 1 if skipped else 0
+    return stats
+
+
+def optimizer_step(model, optimizer, cfg, stats) -> bool:
+    """Clip and step; a non-finite gradient norm (or one above --skip-grad-norm) skips the step instead.
+    The norm is of the all-reduced gradient, so every rank decides the same. Returns True if skipped."""
+    grad_norm = float(dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+    stats["last_grad_norm"] = grad_norm
+    if not math.isfinite(grad_norm) or (cfg.skip_grad_norm > 0 and grad_norm > cfg.skip_grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return True
+    optimizer.step()
+    stats["grad_norm"] += grad_norm
+    stats["grad_norm_max"] = max(stats["grad_norm_max"], grad_norm)
+    stats["opt_steps"] += 1
+    return False
+
+
+def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+    """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
+    lengths, seen = b.lengths.float(), max(stats["tokens"], 1)
+    t0, t_sample, t_score, t_train = times
+    return {
+        "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
+        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
+        "response/truncated": (~b.finished).float().mean().item(),
+        "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,
+        "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
+        "policy/ref_kl": stats["ref_kl"] / seen,
+        "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
+        "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
+        "optim/skipped_steps": stats["skipped"],
+        "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
+        "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
+        "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
+        "perf/step_s": t_train - t0,
+    }
+
+
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
+
+
+# ---------------------------------------------------------------------------------------- main loop
+
+def main(argv=None):
+    cfg = parse(Config, argv)
+    device = dist.setup(cfg.device)
+    validate(cfg)
+    cfg.run_name = cfg.run_name or datetime.now().strftime("eapo-%Y%m%d-%H%M%S")
+    run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
+    ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
+    check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
+    check(cfg.resume or not (run_dir / "metrics.jsonl").exists(), "run_name",
+          f"a new name: {run_dir} already holds a run (add --resume to continue it)")
+    state = checkpoint.load_trainer_state(ckpt) if ckpt else None
+    if state is not None:
+        check_resume(cfg, state["extra"].get("config", {}))
+    torch.manual_seed(cfg.seed)
+
+    # data first: a bad task or data line fails before the model is loaded
+    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=cfg.seed)[: cfg.eval_size]
+    tok = Tokenizer.from_pretrained(cfg.model)
+    dtype = compute_dtype(device, cfg.dtype)
+    model = Transformer.from_pretrained(ckpt or cfg.model, device=device)  # fp32 master weights
+    check_context(model, tok, train + held_out, cfg)
+    model.gradient_checkpointing = cfg.grad_checkpointing
+    ref_model = None
+    if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
+        ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
+    prior = load_prior(cfg, model, tok, device, dtype)  # π_RL samples alongside the rollout copy, in its dtype
+    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
+    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
+    rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
+    policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (warm-up, then constant)
+    start_step = state["step"] if state else 0
+    if state is not None:
+        dist.load_optimizer_state(model, optimizer, state["optimizer"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    if start_step:  # LambdaLR with last_epoch does not set the lr itself
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
+    # our choice: G_e = G / 2 by default, so that every group keeps on-policy completions as an anchor
+    G_e = G // 2 if cfg.augmented < 0 else cfg.augmented
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
+    if start_step == 0:
+        with autocast:
+            first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+        first_acc = first["eval/greedy_acc"]
+        log.log(0, first)
+    tau = cfg.tau if cfg.tau >= 0 else state["extra"]["eapo"]["tau"] if state else None
+    if tau is None:  # EAPO's τ is swept per model; we calibrate it on the starting policy (a quantile)
+        problems = dist.shard(step_prompts(train, 1, cfg.prompts_per_step, cfg.seed))
+        with torch.no_grad(), autocast:
+            tau = calibrate(rollout, [tok.prompt(format_question(p)) for p in problems], cfg, tok, cfg.seed + 17)
+
+    for step in range(start_step + 1, cfg.steps + 1):
+        # ---- 1. sample: G completions for each of this rank's B prompts, from the current policy
+        t0 = time.time()
+        problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
+        contexts = [tok.prompt(format_question(p)) for p in problems]
+        seed = cfg.seed * 1_000_003 + step * 1009 + dist.rank()
+        lam = injection_prob(step - 1, cfg.lam0, cfg.anneal_steps, cfg.schedule)  # EAPO: experience annealing
+        aug_rows = augmented_rows(B, G, G_e) if lam > 0 else []
+        companion = Companion(prior, PriorMix(lam, tau, cfg.temperature, seed + 1, device), aug_rows) if aug_rows else None
+        with torch.no_grad(), autocast:
+            groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=seed, companion=companion)
+        b = to_batch(contexts, groups, [p.answer for p in problems], group_ids=range(B))
+        aug = torch.zeros(len(b.tokens), dtype=torch.bool)  # [N] augmented completions
+        aug[aug_rows] = True
+        t_sample = time.time()
+
+        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
+        texts = [tok.decode(t, skip_special=True) for t in b.tokens]
+        correct = torch.tensor([score(t, a) for t, a in zip(texts, b.answer)])  # [N]
+        rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
+        n_groups = int(b.group.max()) + 1
+        group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, b.group, rewards, "amax")
+        group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, b.group, rewards, "amin")
+        zero_var = group_max == group_min  # [groups]
+        keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        b_all, correct_all, rewards_all = b, correct, rewards
+        keep_tok = keep.repeat_interleave(b.lengths)  # [n_tok]
+        b, rewards, correct, aug_all, aug = b.select(keep), rewards[keep], correct[keep], aug, aug[keep]
+
+        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
+        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        old_logp = ref_logp = None
+        if cfg.epochs * cfg.mini_batches > 1 or aug_rows:  # EAPO rebuilds μ from this π_old
+            old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        if ref_model is not None:
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        t_score = time.time()
+
+        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
+        adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
+        if cfg.pos_only:  # after the advantages, which see the whole group
+            b.skip = torch.where(pos_only_dropped(correct, aug), b.lengths, b.skip)
+
+        # ---- EAPO's adapted importance sampling: μ from the trainer's π_old and the stored log π_RL, so that
+        # numerator and denominator of ω share numerics; ω = 1 exactly off the critical points
+        x, omega, loss_kw = {}, None, None
+        if aug_rows:
+            x = flat_extras(groups, keep_tok)
+            x["aug"] = aug.repeat_interleave(b.lengths)
+            omega = is_weights(old_logp, behaviour_logp(old_logp, x["rl_logp"], lam, x["eligible"]), cfg.omega_cap)
+            loss_kw = {"weights": omega}
+
+        # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
+        stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
+                       loss_kw)
+        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
+            raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
+                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
+                           f"in {ckpt_dir} is intact")
+        scheduler.step()
+        dist.sync_rollout(model, rollout)
+        t_train = time.time()
+
+        # ---- 6. log, evaluate, save
+        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
+                               if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
+        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        metrics.update(eapo_metrics(lam, tau, groups, aug_all, correct_all, x, omega))
+        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with autocast:
+                last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+            log.log(step, last)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save(model, optimizer, ckpt_dir, step, cfg, extra={"eapo": {"tau": tau}})
+
+    if dist.is_main() and cfg.steps > start_step:
+        before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
+        print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
+              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
+    dist.cleanup()
+
+
+def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
+    """fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them), written
+    atomically; never from non-finite weights, which would replace the last good checkpoint with garbage."""
+    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
+    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
+        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
+                       "is intact (rerun with --resume and a lower --lr)")
+    if dist.is_main():
+        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
+                        extra={"config": asdict(cfg), **(extra or {})})
+    dist.barrier()
+
+
+def _model_dir(name):
+    from common.hub import resolve_model_dir
+    return resolve_model_dir(name)
+
+
+def _minutes(seconds):
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -268,3 +268,199 @@ def test_8_10_prior_follows_augmented_rows_only_and_resampled_flags_stay_there(p
             assert s.extras["injected"].all()
             torch.testing.assert_close(s.extras["mu_logp"], s.extras["rl_logp"])
     assert all(p.grad is None for p in prior.parameters())
+
+
+# ------------------------------------------------------------------------------------ main() end to end
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    """(policy, prior, data file): a tiny model that answers with one digit token (its untied LM head scores
+    only the ten digits), a prior made from it with another head (as an RL run would leave it), and a
+    'Say d' task, so that rewards vary, updates happen and the two policies differ."""
+    import json
+    import shutil
+
+    from common.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("eapo")
+    digits = [Tokenizer.from_pretrained(tiny_model_dir).encode(str(d))[0] for d in range(10)]
+    for name, seed in (("policy", 0), ("prior", 1)):
+        m = Transformer.from_pretrained(tiny_model_dir)
+        m.cfg.tie_word_embeddings = False
+        head = torch.zeros_like(m.lm_head.weight)
+        head[digits] = 1.5 * torch.randn(10, head.shape[1], generator=torch.Generator().manual_seed(seed))
+        m.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+        m.lm_head.weight.data.copy_(head)
+        m.save_pretrained(root / name)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_model_dir / f, root / name / f)
+    task = root / "digits.jsonl"
+    task.write_text("".join(json.dumps({"prompt": f"Say {d}", "answer": str(d)}) + "\n" for d in list(range(10)) * 3))
+    return root / "policy", root / "prior", task
+
+
+def run_args(models, *more):
+    policy, prior, task = models
+    return ["--model", str(policy), "--task", str(task), "--prompts-per-step", "2", "--group-size", "8",
+            "--max-new-tokens", "1", "--eval-size", "3", "--micro-batch", "4", "--eval-every", "100", "--lr", "1e-2",
+            "--dtype", "float32", *more]
+
+
+def rows_of(run, prefix=None):
+    import json
+
+    lines = (pytest.run_root / "runs" / run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "reward/mean" in r}
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pytest.run_root = tmp_path
+    return tmp_path
+
+
+def recording(monkeypatch, module):
+    """Wrap module.generate: keep every training rollout's tokens (and the companion it was given)."""
+    calls = []
+    real = module.generate
+
+    def wrapped(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(([s.tokens for g in out for s in g], kw.get("companion")))
+        return out
+
+    monkeypatch.setattr(module, "generate", wrapped)
+    return calls
+
+
+def weights(run):
+    from safetensors.torch import load_file
+
+    return load_file(str(pytest.run_root / "runs" / run / "checkpoint" / "model.safetensors"))
+
+
+def test_1_lambda_0_step_equals_grpo(in_tmp, models, monkeypatch):
+    """λ_0 = 0: the same rollouts (generated tokens), the same metrics and the same weights as grpo.py."""
+    import grpo
+
+    grpo_calls, eapo_calls = recording(monkeypatch, grpo), recording(monkeypatch, eapo)
+    grpo.main(run_args(models, "--steps", "2", "--run-name", "g"))
+    eapo.main(run_args(models, "--steps", "2", "--run-name", "e", "--prior", str(models[1]), "--lam0", "0"))
+    assert [t for t, _ in grpo_calls] == [t for t, _ in eapo_calls[-2:]]  # (the first eapo call calibrates τ)
+    g, e = rows_of("g"), rows_of("e")
+    assert any(r["optim/grad_norm"] > 0 for r in g.values())  # something was learnt
+    for step in (1, 2):
+        assert {k: v for k, v in e[step].items() if not k.startswith(("eapo/", "perf/"))} == \
+               {k: v for k, v in g[step].items() if not k.startswith("perf/")}
+        assert e[step]["eapo/lambda"] == 0 and e[step]["eapo/resampled_ratio"] == 0
+    wg, we = weights("g"), weights("e")
+    assert all(torch.equal(wg[k], we[k]) for k in wg)
+
+
+def test_1_tau_infinite_samples_grpo_tokens_with_omega_1(in_tmp, models, monkeypatch):
+    """τ = +∞ with λ = 1: the prior runs alongside but nothing is critical: grpo's tokens, ω ≡ 1, the same step."""
+    import grpo
+
+    grpo_calls, eapo_calls = recording(monkeypatch, grpo), recording(monkeypatch, eapo)
+    seen = []
+    real_update = eapo.update
+    monkeypatch.setattr(eapo, "update", lambda *a, **kw: seen.append(a[-1]) or real_update(*a, **kw))
+    grpo.main(run_args(models, "--steps", "1", "--run-name", "g"))
+    eapo.main(run_args(models, "--steps", "1", "--run-name", "e", "--prior", str(models[1]), "--tau", "1e9"))
+    assert grpo_calls[0][0] == eapo_calls[0][0] and eapo_calls[0][1] is not None
+    assert torch.equal(seen[0]["weights"], torch.ones_like(seen[0]["weights"]))
+    wg, we = weights("g"), weights("e")
+    for k in wg:
+        torch.testing.assert_close(we[k], wg[k], atol=1e-6, rtol=1e-5)
+
+
+def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
+    """Three steps with T = 2 and every token critical (τ = 0): the prior follows only the augmented rows and is
+    never given a gradient (10), tokens get resampled at step 1, λ halves at step 2 and is 0 at step 3."""
+    calls = recording(monkeypatch, eapo)
+    eapo.main(run_args(models, "--steps", "3", "--run-name", "s", "--prior", str(models[1]), "--tau", "0",
+                       "--anneal-steps", "2"))
+    rows = rows_of("s")
+    assert [rows[k]["eapo/lambda"] for k in (1, 2, 3)] == [1.0, 0.5, 0.0]
+    assert rows[1]["eapo/resampled_ratio"] > 0 and rows[3]["eapo/resampled_ratio"] == 0
+    assert rows[1]["eapo/injected_ratio"] == 1.0 and rows[1]["eapo/kl_prior"] > 0
+    assert rows[1]["eapo/omega_max"] != 1.0
+    (_, c1), (_, c2), (_, c3) = calls
+    assert c1.rows == c2.rows == eapo.augmented_rows(2, 8, 4) and c3 is None
+    assert all(not p.requires_grad and p.grad is None for p in c1.model.parameters())
+    state = torch.load(in_tmp / "runs" / "s" / "checkpoint" / "trainer.pt", weights_only=False)
+    assert state["extra"]["eapo"]["tau"] == 0.0
+
+
+def test_resume_gives_the_same_run(in_tmp, models):
+    """Cut at step 2 while λ > 0 (τ calibrated in the first part, read back from the checkpoint), resume to 4."""
+    common = run_args(models, "--prior", str(models[1]), "--anneal-steps", "3", "--tau-quantile", "0.5")
+    eapo.main([*common, "--steps", "4", "--run-name", "full"])
+    eapo.main([*common, "--steps", "2", "--run-name", "cut"])
+    eapo.main([*common, "--steps", "4", "--run-name", "cut", "--resume"])
+    full, cut = rows_of("full"), rows_of("cut")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("perf/")}  # noqa: E731
+    assert full[3]["eapo/lambda"] > 0
+    for step in (3, 4):
+        assert strip(cut[step]) == strip(full[step]), step
+
+
+def test_9_pos_only_in_the_loop(in_tmp, models, monkeypatch):
+    """--pos-only: incorrect augmented completions get no loss tokens; advantages are those of the whole group."""
+    seen = {}
+    real_update = eapo.update
+
+    def spy(policy, model, opt, b, adv, *a, **kw):
+        seen.setdefault("runs", []).append((b.skip.clone(), b.lengths, adv.clone()))
+        return real_update(policy, model, opt, b, adv, *a, **kw)
+
+    monkeypatch.setattr(eapo, "update", spy)
+    correct = recording_correct(monkeypatch)
+    common = run_args(models, "--prior", str(models[1]), "--tau", "0", "--steps", "1")
+    eapo.main([*common, "--run-name", "all"])
+    eapo.main([*common, "--run-name", "pos", "--pos-only"])
+    (skip0, lengths, adv0), (skip1, _, adv1) = seen["runs"]
+    assert torch.equal(adv0, adv1) and (skip0 == 0).all()
+    aug = torch.zeros(16, dtype=torch.bool)
+    aug[eapo.augmented_rows(2, 8, 4)] = True
+    dropped = aug & (correct[-1] == 0)
+    assert dropped.any() and torch.equal(skip1, torch.where(dropped, lengths, 0))
+
+
+def recording_correct(monkeypatch):
+    """Keep the per-completion correctness vector the loop computes (through eapo.pos_only_dropped)."""
+    seen = []
+    real = eapo.pos_only_dropped
+    monkeypatch.setattr(eapo, "pos_only_dropped", lambda correct, aug: seen.append(correct.clone()) or real(correct, aug))
+    return seen
+
+
+def run_cli(capsys, *args):
+    """main() as the command line runs it: a user mistake is one line on stderr and exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        eapo.main_guard(lambda: eapo.main(list(args)))
+    return e.value.code, capsys.readouterr().err
+
+
+def test_without_prior_one_line_names_the_two_commands(in_tmp, models, capsys):
+    code, err = run_cli(capsys, *run_args(models, "--run-name", "x"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "python grpo.py --run-name prior" in err and "python eapo.py --prior runs/prior/checkpoint" in err
+    assert not (in_tmp / "runs").exists()
+
+
+def test_prior_with_another_tokenizer_is_refused(in_tmp, models, capsys):
+    import json
+    import shutil
+
+    other = in_tmp / "other"
+    shutil.copytree(models[1], other)
+    t = json.loads((other / "tokenizer.json").read_text())
+    vocab = t["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: same size, other tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(t))
+    code, err = run_cli(capsys, *run_args(models, "--run-name", "x", "--prior", str(other)))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--prior" in err and "tokenizer" in err, err
+    assert not (in_tmp / "runs").exists()
