@@ -30,6 +30,7 @@ no sympy, and any exception scores 0.0.
 """
 
 import cmath
+import functools
 import math
 import re
 import zlib
@@ -53,6 +54,8 @@ _FREE_NUMBER = re.compile(r"(?<![\w.^#])(?<!_\{)(?<!\^\{)" + _NUMBER.pattern + r
 _LIST_MARKER = re.compile(r"[.)][ \t]+\S")  # `2. Next` / `2) Next` at a line start
 # `The answer is 7`, `Final answer: $x$`, `**Answer:** 7`: the rest of that line holds the answer
 _CUE = re.compile(r"(?i)\banswer\b(?:\*\*)?(?:\s+is\b[ \t]*:?|[ \t]*[:=])[ \t]*(?:\*\*)?[ \t]*")
+# where the answer's clause ends: `13 + 17 = 20, but ...`, `7. Then ...`, `10 which is ...`
+_CLAUSE_END = re.compile(r"\.(?:\s|$)|[,;](?=\s)|\s(?:but|which|because|since|so)\s")
 _WORD = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")  # a word of two letters or more, not a \command
 _WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname)"
                       r"\s*\{([^{}]*)\}")
@@ -149,12 +152,13 @@ def _after_cue(s: str) -> str | None:
                 if inner:
                     return _result(inner)
                 break
-        line = re.split(r"\.(?:\s|$)", line, maxsplit=1)[0].strip()  # up to the sentence's end
+        line = _CLAUSE_END.split(line.replace("\\boxed{}", ""), maxsplit=1)[0].strip()
+        tail = line.rpartition("=")[2].strip()  # `Tom has 4 + 9 = 13 shells` -> `13 shells`
         if not _WORD.search(line) and any(c.isdigit() for c in line):
-            return _result(line)  # a bare expression: `7`, `2x + 3`, `\frac{1}{2}`
-        numbers = _free_numbers(line)
+            return _result(line)  # a bare expression: `7`, `2x + 3`, `\frac{1}{2}`, `3 + 4 = 7`
+        numbers = _free_numbers(tail)
         if numbers:
-            return numbers[0]  # `7 apples`, `7, because ...`: the first number it names
+            return numbers[0]  # `7 apples`: the number it names
     return None
 
 
@@ -181,9 +185,12 @@ def extract_answer(text: str) -> str | None:
 
 # ------------------------------------------------------------------ normalisation (text rules)
 
-def normalize(s: str) -> str:
-    """A canonical text form of an answer; two answers that print the same are equal."""
-    s = s[:TAIL].strip()
+def normalize(s: str, strip_assignment: bool = True) -> str:
+    """A canonical text form of an answer; two answers that print the same are equal.
+
+    strip_assignment: `x = 5` -> `5`, `y = 2x + 3` -> `2x + 3` (False keeps the equation whole)."""
+    s = re.sub(r"\s+", " ", s[:TAIL]).strip()  # one space at most: the regexes below stay linear
+    s = s.replace("{,}", ",")  # 10{,}080: a thousands separator
     for u, latex in _UNICODE.items():
         if u in s:
             s = s.replace(u, latex)
@@ -199,9 +206,11 @@ def normalize(s: str) -> str:
     s = s.rstrip(".").strip()
     s = _UNIT.sub("", s).strip()
     s = _NUMBER_WORDS.sub(r"\1", s)
-    m = _ASSIGN.match(s)
+    m = _ASSIGN.match(s) if strip_assignment else None
     if m and "=" not in s[m.end() :] and m.end() < len(s):
         s = s[m.end() :]
+    elif strip_assignment:
+        s = _result(s)  # \boxed{8 + 2 = 10}: the value the arithmetic comes to
     # \frac12 = \frac{1}{2}, \frac{270}7, \frac9{19}, \sqrt2 = \sqrt{2}: LaTeX takes one token
     s = re.sub(r"\\frac ?(\d) ?(\d)", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac ?(\d) ?\{", r"\\frac{\1}{", s)
@@ -628,7 +637,7 @@ def _ev(node, env: dict):
     if op == "!":
         return Fraction(math.factorial(_integer(_ev(node[1], env), 1000)))
     if op == "binom":
-        n = _integer(_ev(node[1], env), 10_000)
+        n = _integer(_ev(node[1], env), 1000)
         return Fraction(math.comb(n, _integer(_ev(node[2], env), n)))
     if op == "abs":
         v = _ev(node[1], env)
@@ -692,6 +701,9 @@ def _alternatives(node) -> list:
 def _elements(node) -> list | None:
     """The members of an unordered answer (a set, a bare list, a union, a ±), else None."""
     items = node[1] if node[0] in ("set", "union") else [node]
+    if node[0] == "set" and all(x[0] == "rel" and x[1] == "=" and x[2][0] == "v" for x in items) \
+            and len({x[2] for x in items}) == 1:
+        items = [x[3] for x in items]  # x = -2, x = 1: the values of one variable
     out = [v for item in items for v in _alternatives(item)]
     if len(out) > MAX_ITEMS:
         raise ValueError("too many elements")
@@ -703,6 +715,7 @@ class _Compare:
 
     def __init__(self, envs: list[dict], loose: bool):
         self.envs, self.loose = envs, loose
+        self.memo = {}  # (id(node), point) -> value: each member of a list is evaluated once
 
     def same(self, a, b) -> bool:
         ea, eb = _elements(a), _elements(b)
@@ -727,26 +740,35 @@ class _Compare:
             return ka == kb and self.same_relation(a, b)
         return self.same_value(a, b)
 
-    def values(self, node) -> list:
-        out = []
-        for env in self.envs:
+    def value(self, node, k: int):
+        """The value of `node` at point k, None where it has none (a pole, an overflow, a tuple)."""
+        key = (id(node), k)
+        if key not in self.memo:
             try:
-                out.append(_ev(node, env))
-            except Exception:  # a pole, an overflow, a structure where a number should be
-                out.append(None)
-        return out
+                v = _ev(node, self.envs[k])
+            except Exception:
+                v = None
+            self.memo[key] = (node, v)  # the node is kept alive, so its id is not reused
+        return self.memo[key][1]
 
     def same_value(self, a, b) -> bool:
-        pairs = [(x, y) for x, y in zip(self.values(a), self.values(b)) if x is not None or y is not None]
-        return bool(pairs) and all(x is not None and y is not None and _close(x, y, self.loose)
-                                   for x, y in pairs)
+        seen = False
+        for k in range(len(self.envs)):  # point by point: most wrong answers differ at the first
+            x, y = self.value(a, k), self.value(b, k)
+            if x is None and y is None:
+                continue
+            if x is None or y is None or not _close(x, y, self.loose):
+                return False
+            seen = True
+        return seen
 
     def same_relation(self, a, b) -> bool:
         if a[1] != b[1]:
             return False
         if a[1] == "=" and len(self.envs) > 1:  # one equation a multiple of the other: lhs - rhs
             ratio = None
-            for x, y in zip(self.values(("-", a[2], a[3])), self.values(("-", b[2], b[3]))):
+            fa, fb = ("-", a[2], a[3]), ("-", b[2], b[3])
+            for x, y in ((self.value(fa, k), self.value(fb, k)) for k in range(len(self.envs))):
                 if x is None or y is None:
                     return False
                 if _close(y, Fraction(0), False):
@@ -766,6 +788,7 @@ class _Compare:
         return a[1] in ("=", "!=") and self.same(a[2], b[3]) and self.same(a[3], b[2])
 
 
+@functools.lru_cache(maxsize=1024)  # a reference answer is parsed once, not once per completion
 def _parse(s: str):
     """The tree of a normalised answer, or None when it is not one we can read."""
     if len(s) > MAX_SYMBOLIC:
@@ -808,7 +831,10 @@ def _same(a: str, b: str) -> bool:
 def is_equiv(a: str, b: str) -> bool:
     """Whether two extracted answers are the same answer."""
     try:
-        return _same(normalize(a), normalize(b))
+        if _same(normalize(a), normalize(b)):
+            return True
+        # `y = 2x + 3` against `2x - y + 3 = 0`: compare the whole equations
+        return ("=" in a or "=" in b) and _same(normalize(a, False), normalize(b, False))
     except Exception:
         return False
 
