@@ -1,13 +1,213 @@
-"""XRPO (eXplore-eXploit GRPO, arXiv 2510.06672): GRPO with adaptive rollout allocation, in-context seeding of
-unsolved prompts and novelty-guided advantage sharpening. (Components only; the loop follows grpo.py.)
+"""XRPO: eXplore-eXploit GRPO (arXiv 2510.06672). grpo.py's loop with three additions, each switchable:
+
+  1. hierarchical rollout planning (§3.2, eqs 1-3): every prompt gets n_base rollouts, then N_plan rounds split the
+     rest of the step's budget over the prompts in proportion to Π = Δ + φ: how much one more rollout would
+     narrow the Student-t confidence interval of the prompt's mean reward, plus an exploration bonus;
+  2. ICL seeding (§3.2, App. C): in a round where a prompt has no correct rollout yet, its rollouts are sampled
+     from a prompt that shows up to K verified solutions of similar other problems, taken from a corpus of the
+     run's own correct rollouts; they train with that prompt as context and are normalised in the prompt's group;
+  3. novelty-guided advantage sharpening (§3.3, eqs 4-6): a correct rollout that the policy finds less likely
+     than its group does on average gets a bonus λ_nov (1 - η), capped at κ A.
+
+    python xrpo.py                                   # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
+    python xrpo.py --steps 2 --run-name smoke        # any option: python xrpo.py --help
+    python xrpo.py --run-name NAME --resume          # continue a run (the ICL corpus is in the checkpoint)
+    python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all three off: grpo.py's step
+
+A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at equal
+sampling cost. The loss is grpo.py's (token-mean, clip 0.2/0.28) with the k3 KL at β = 0.001 (§4.1); --seq-ratio
+gives XRPO on GSPO. Problem statements are embedded by the policy's own initial weights (pooled final hidden
+states) instead of the paper's separate Qwen3-Embedding-8B: no second model. Evaluation never uses ICL (§4.1).
+
+Left out: seeding the corpus before training with the base model's correct samples (Alg. 1's C_init; here it
+starts empty, as §3.2 says), a per-prompt cap on the allocation, re-conditioning ICL rollouts on the plain prompt.
 """
+import copy
 import functools
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
 
 import torch
 
+from common import checkpoint, dist
+from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
+from common.config import RunError, check, main_guard, parse
 from common.embed import embed
+from common.evaluate import evaluate
+from common.logger import MetricsLog
+from common.model import Transformer, compute_dtype
+from common.sampler import generate
+from common.tasks import format_question, load_task
+from common.tokenizer import Tokenizer
+from common.verifier import extract_answer, score
+from kernels import policy_loss
+
+
+@dataclass
+class Config:
+    # run
+    run_name: str = ""  # writes runs/<run-name>/; empty = xrpo-<date-time>
+    resume: bool = False  # continue runs/<run-name>/ from its last checkpoint
+    seed: int = 0  # seeds data order, sampling and init; same seed on CPU = same run
+    device: str = "auto"  # auto (cuda if available), cpu or cuda
+    dtype: str = "auto"  # matmul dtype: auto (bf16 on GPUs and CPUs with bf16 units, else float32), float32, bfloat16
+    # model and data
+    model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
+    task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
+    train_size: int = 2000  # problems generated for arith (ignored for data files)
+    # rollouts
+    steps: int = 15  # training steps
+    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    group_size: int = 8  # G: rollouts per prompt on average: a step samples B×G in all, as grpo.py does
+    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (XRPO §3.2; keep >= 3, the t-interval needs n >= 2)
+    rounds: int = 2  # N_plan: rounds that split the other B×(G - n_base) rollouts by priority Π (§3.2)
+    alloc: str = "proportional"  # proportional (T·Π/ΣΠ, largest remainder) or greedy (one unit at a time, eq. 3)
+    alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (Table 4b)
+    alloc_conf: float = 0.95  # confidence level of the Student-t interval behind Δ (Table 4b)
+    max_new_tokens: int = 96  # L_max: completion budget in tokens
+    temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
+    top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
+    format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
+    # ICL seeding (XRPO §3.2, App. C)
+    icl: bool = True  # sample a prompt with no correct rollout yet from an in-context prompt of solved neighbours
+    icl_shots: int = 2  # K: verified solutions of similar other problems shown
+    icl_max_len: int = 1024  # longest in-context prompt in tokens; exemplar solutions are shortened to fit
+    icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent
+    # novelty-guided advantage sharpening (XRPO §3.3, eq. 6)
+    nov_lambda: float = 2.5  # λ_nov: bonus strength; 0 = off
+    nov_kappa: float = 0.5  # κ: a bonus is at most κ times the rollout's advantage
+    nov_all_correct: bool = False  # our option: all-correct groups (A = 0) get bonuses too, capped at κ
+    # advantages and loss
+    adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    eps_low: float = 0.2  # clip ratio below 1 - eps_low
+    eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
+    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
+    kl_coef: float = 0.001  # β: k3 KL to the initial model (XRPO §4.1); 0 loads no reference model
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    epochs: int = 1  # μ: passes over each batch of rollouts
+    mini_batches: int = 1  # M: optimizer steps per epoch
+    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    # optimizer
+    lr: float = 3e-5  # AdamW learning rate after warm-up
+    warmup_steps: int = 3  # linear warm-up from 0
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.99  # AdamW β2
+    max_grad_norm: float = 1.0  # gradient clipping
+    skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
+    max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
+    # evaluation and checkpoints
+    eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
+    eval_size: int = 100  # held-out problems per evaluation
+    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    save_every: int = 15  # checkpoint every N steps (and after the last)
+
+    choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+               "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
+               "alloc": ["proportional", "greedy"]}
+
+
+# Options a resumed run must share with the run it continues: they fix the data order and the model.
+RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
+
+
+def validate(cfg: Config):
+    """Refuse impossible options before anything is loaded or written."""
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
+                 "eval_every", "save_every", "train_size", "max_skipped"):
+        check(getattr(cfg, name) > 0, name, "a positive integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
+    check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
+    check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
+    check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
+    check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
+    check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
+          "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
+    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
+    check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
+    # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(2 <= cfg.base_rollouts <= cfg.group_size, "base_rollouts", "2 ... group_size (the t-interval needs n >= 2)")
+    check(cfg.rounds >= 0 and (cfg.rounds > 0 or cfg.base_rollouts == cfg.group_size), "rounds",
+          "a positive number of rounds (or 0 with base_rollouts = group_size: no dynamic budget)")
+    check(cfg.alloc_lambda >= 0 and 0 < cfg.alloc_conf < 1, "alloc_lambda/alloc_conf", "λ >= 0 and a level in (0, 1)")
+    check(cfg.icl_shots >= 0 and cfg.icl_per_problem > 0, "icl_shots/icl_per_problem", "K >= 0 and a positive cap")
+    check(cfg.nov_lambda >= 0 and cfg.nov_kappa >= 0, "nov_lambda/nov_kappa", "non-negative numbers")
+    check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
+          "at most the completions per step on each rank (prompts_per_step / world * group_size)")
+
+
+def check_resume(cfg: Config, saved: dict):
+    """A resumed run must see the data and model the checkpoint was trained on."""
+    for name in RESUME_FIXED:
+        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+
+
+def check_context(model, tok, problems, cfg):
+    """Prompt + completion must fit the model's positions; say so before anything is written."""
+    longest = max(len(tok.prompt(format_question(p))) for p in problems)
+    limit = model.cfg.max_position_embeddings
+    check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
+          f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
+    check(not cfg.icl or longest <= cfg.icl_max_len <= limit - cfg.max_new_tokens, "icl_max_len",
+          f"between the longest prompt ({longest} tokens) and {limit - cfg.max_new_tokens} (model positions - max_new_tokens)")
+
+
+# ----------------------------------------------------------------------------- rewards -> advantages
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
+    """rewards [N], group ids [N] -> advantages [N] relative to each completion's group (GRPO, DeepSeekMath
+    §4.1.2). Groups may differ in size; a group of one has advantage 0."""
+    n = int(group.max()) + 1 if len(group) else 0
+    count = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, rewards.double()) / count.clamp(min=1)
+    centred = rewards.double() - mean[group]
+    if norm == "none":  # Dr. GRPO §3.1: the std division re-weights groups by difficulty; leave it out
+        return centred.float()
+    # unbiased std, as DeepSeekMath's reference; a group of one has centred = 0, so 0 / (0 + 1e-6) = 0
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, group, centred ** 2) / (count - 1).clamp(min=1)
+    return (centred / (var.sqrt()[group] + 1e-6)).float()
+
+
+def boxed(text: str) -> bool:
+    """The optional format term: the completion uses \\boxed and an answer can be read from it."""
+    return "\\boxed" in text and extract_answer(text) is not None
+
+
+def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+    """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
+    from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
+    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    if agg == "token-mean":  # DAPO §3.3: every token counts the same
+        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+    elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
+        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
+        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(lengths)
+
+
+def step_prompts(train, step, n, seed):
+    """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
+    (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
+    out, perms = [], {}
+    for g in range((step - 1) * n, step * n):
+        epoch, i = divmod(g, len(train))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        out.append(train[int(perms[epoch][i])])
+    return out
 
 
 # ------------------------------------------------------------ hierarchical rollout planning (XRPO §3.2, eqs 1-3)
@@ -174,13 +374,12 @@ def round_contexts(tok, problems: list[str], plain: list[list[int]], correct: li
     return out
 
 
-def update_corpus(corpus, problems: list[str], texts: list[list[str]], correct: list[list[float]]):
+def update_corpus(corpus, problems: list[str], texts: list[str], correct: list[float]):
     """Alg. 1 line 18: every rollout with full reward becomes a stored solution of its own problem (ICL-seeded ones
-    included: they solve q)."""
-    for problem, ts, cs in zip(problems, texts, correct):
-        for t, c in zip(ts, cs):
-            if c == 1:
-                corpus.add(problem, t)
+    included: they solve q). One entry per rollout in the three lists."""
+    for problem, text, c in zip(problems, texts, correct):
+        if c == 1:
+            corpus.add(problem, text)
 
 
 @dataclass
@@ -260,3 +459,329 @@ def sharpen(adv, correct, score, group, lam_nov: float, kappa: float, all_correc
     bonus = torch.minimum((lam_nov * (1 - eta)).clamp(min=0), cap).clamp(min=0)
     bonus = torch.where(correct.bool(), bonus, torch.zeros_like(bonus)).to(adv.dtype)
     return adv + bonus, bonus
+
+
+# ------------------------------------------------------------------------------- one XRPO step's rollouts
+
+def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast):
+    """Alg. 1 lines 4-16: n_base rollouts of every prompt, then cfg.rounds rounds, each splitting its budget T by the
+    priorities of the rewards so far and sampling a prompt with no correct rollout yet from its in-context prompt.
+    Prompt q's group is all its rollouts, whatever round and context they came from.
+    Returns the flat Batch, each rollout's text and 0/1 verifier score [N], whether its context was an in-context
+    prompt [N] (bool), and how many rollouts each prompt got."""
+    B, answers = len(problems), [p.answer for p in problems]
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids)
+    budgets = round_budgets(B * (cfg.group_size - cfg.base_rollouts), cfg.rounds)
+    plan, round_ctx = [cfg.base_rollouts] * B, [(c, False) for c in contexts]  # the base round: plain prompts
+    ctxs, gens, texts, correct, icl = [], [], [], [], []
+    so_far = [[] for _ in range(B)]  # each prompt's 0/1 scores so far this step
+    for r in range(len(budgets) + 1):
+        if r > 0:  # our choice: the allocator reads the verifier's 0/1, not the optional format term
+            plan = allocate(so_far, budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, greedy=cfg.alloc == "greedy")
+            round_ctx = round_contexts(tok, [p.prompt for p in problems], contexts, so_far, plan, corpus,
+                                       cfg.icl_shots, cfg.icl_max_len, icl=cfg.icl)
+        with torch.no_grad(), autocast:
+            groups = generate(rollout, [c for c, _ in round_ctx], n=plan, seed=seed + 104_729 * r, **kw)
+        for q, ((c, is_icl), g) in enumerate(zip(round_ctx, groups)):
+            ts = [tok.decode(s.tokens, skip_special=True) for s in g]
+            cs = [score(t, answers[q]) for t in ts]
+            so_far[q] += cs
+            texts, correct, icl = texts + ts, correct + cs, icl + [is_icl] * len(g)
+        ctxs, gens = ctxs + [c for c, _ in round_ctx], gens + groups
+    b = to_batch(ctxs, gens, answers * (len(budgets) + 1), group_ids=list(range(B)) * (len(budgets) + 1))
+    return b, texts, torch.tensor(correct), torch.tensor(icl, dtype=torch.bool), [len(s) for s in so_far]
+
+
+def gather(items: list) -> list:
+    """Every rank's items, rank after rank (the corpus must stay the same on all ranks)."""
+    if not dist.is_distributed():
+        return items
+    out = [None] * dist.world()
+    torch.distributed.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corpus) -> dict:
+    """The evidence that XRPO's mechanisms act: uneven allocation, ICL use and success, bonuses, corpus size.
+    per_prompt [B]: rollouts of each prompt; group, icl, correct [N]: all rollouts; kept_correct, bonus: those trained
+    on (dynamic sampling may drop groups)."""
+    n, B = torch.tensor(per_prompt, dtype=torch.float), len(per_prompt)
+    seeded, solved = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    seeded[group[icl]] = True
+    solved[group[icl & (correct == 1)]] = True  # ICL broke the prompt's zero-reward symmetry
+    mean = lambda x: x.float().mean().item() if len(x) else float("nan")  # noqa: E731
+    G, base = cfg.group_size, cfg.base_rollouts
+    return {
+        "xrpo/rollouts_mean": n.mean().item(), "xrpo/rollouts_min": n.min().item(), "xrpo/rollouts_max": n.max().item(),
+        "xrpo/rollouts_std": n.std().item() if B > 1 else 0.0,
+        # histogram: shares of prompts with n_base only, fewer than G, G to 2G-1, 2G or more rollouts
+        "xrpo/hist_base": mean(n == base), "xrpo/hist_below_G": mean((n > base) & (n < G)),
+        "xrpo/hist_G_to_2G": mean((n >= G) & (n < 2 * G)), "xrpo/hist_2G_up": mean(n >= 2 * G),
+        "xrpo/icl_share": mean(icl), "xrpo/icl_acc": mean(correct[icl]), "xrpo/plain_acc": mean(correct[~icl]),
+        "xrpo/seeded_prompts": float(seeded.sum()), "xrpo/seeded_solved": float(solved.sum()),
+        "xrpo/bonus_share": mean(bonus[kept_correct == 1] > 0), "xrpo/bonus_mean": mean(bonus[bonus > 0]),
+        "xrpo/corpus_size": float(corpus.size()), "xrpo/corpus_problems": float(len(corpus.solutions)),
+    }
+
+
+XRPO_SUMS, XRPO_MAXES = ("xrpo/seeded_prompts", "xrpo/seeded_solved"), ("xrpo/rollouts_max",)
+
+
+# ------------------------------------------------------------------------------------------ update
+
+def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
+           loss_kw=None):
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
+    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
+    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    N, lengths = len(b.tokens), b.lengths
+    n_train = lengths - b.skip  # loss tokens per completion
+    tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
+    mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
+    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+                           "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
+                           "skipped_since_last_step"], 0.0)
+    for epoch in range(cfg.epochs if N else 0):
+        for idx in mini:
+            # the aggregation's totals over the whole mini-batch, summed over ranks
+            n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
+                                                                 float(n_train[idx].sum())])).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            micro = [idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
+            for j, mb in enumerate(micro):
+                w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
+                with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
+                    # log π_θ of the loss tokens of completions mb, and their positions tok in the flat [n_tok] arrays
+                    logp, entropy, tok = completion_logprobs(policy, b, mb, cfg.temperature, pad_id, device)
+                    extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                    if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
+                        extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
+                    if cfg.tis_cap:
+                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                    old = logp.detach() if old_logp is None else old_logp[tok].to(device)
+                    ref = None if ref_logp is None else ref_logp[tok].to(device)
+                    loss_tok, clip_low, clip_high = policy_loss(
+                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
+                    ((loss_tok * w.to(device)).sum() * dist.world()).backward()
+                with torch.no_grad():  # diagnostics
+                    log_ratio = logp.detach() - old
+                    stats["tokens"] += len(logp)
+                    stats["clip_low"] += clip_low.float().sum().item()
+                    stats["clip_high"] += clip_high.float().sum().item()
+                    stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
+                    stats["entropy"] += entropy.detach().sum().item()
+                    if ref is not None:
+                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if epoch == 0:
+                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
+                        stats["mismatch_tokens"] += len(old)
+            skipped = optimizer_step(model, optimizer, cfg, stats)
+            stats["skipped"] += skipped
+            stats["skipped_since_last_step"] = stats["skipped_since_last_step"] + 1 if skipped else 0
+    return stats
+
+
+def optimizer_step(model, optimizer, cfg, stats) -> bool:
+    """Clip and step; a non-finite gradient norm (or one above --skip-grad-norm) skips the step instead.
+    The norm is of the all-reduced gradient, so every rank decides the same. Returns True if skipped."""
+    grad_norm = float(dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+    stats["last_grad_norm"] = grad_norm
+    if not math.isfinite(grad_norm) or (cfg.skip_grad_norm > 0 and grad_norm > cfg.skip_grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return True
+    optimizer.step()
+    stats["grad_norm"] += grad_norm
+    stats["grad_norm_max"] = max(stats["grad_norm_max"], grad_norm)
+    stats["opt_steps"] += 1
+    return False
+
+
+def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+    """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
+    lengths, seen = b.lengths.float(), max(stats["tokens"], 1)
+    t0, t_sample, t_score, t_train = times
+    return {
+        "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
+        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
+        "response/truncated": (~b.finished).float().mean().item(),
+        "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,
+        "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
+        "policy/ref_kl": stats["ref_kl"] / seen,
+        "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
+        "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
+        "optim/skipped_steps": stats["skipped"],
+        "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
+        "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
+        "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
+        "perf/step_s": t_train - t0,
+    }
+
+
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
+
+
+# ---------------------------------------------------------------------------------------- main loop
+
+def main(argv=None):
+    cfg = parse(Config, argv)
+    device = dist.setup(cfg.device)
+    validate(cfg)
+    cfg.run_name = cfg.run_name or datetime.now().strftime("xrpo-%Y%m%d-%H%M%S")
+    run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
+    ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
+    check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
+    check(cfg.resume or not (run_dir / "metrics.jsonl").exists(), "run_name",
+          f"a new name: {run_dir} already holds a run (add --resume to continue it)")
+    state = checkpoint.load_trainer_state(ckpt) if ckpt else None
+    if state is not None:
+        check_resume(cfg, state["extra"].get("config", {}))
+    torch.manual_seed(cfg.seed)
+
+    # data first: a bad task or data line fails before the model is loaded
+    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=cfg.seed)[: cfg.eval_size]
+    tok = Tokenizer.from_pretrained(cfg.model)
+    dtype = compute_dtype(device, cfg.dtype)
+    model = Transformer.from_pretrained(ckpt or cfg.model, device=device)  # fp32 master weights
+    check_context(model, tok, train + held_out, cfg)
+    model.gradient_checkpointing = cfg.grad_checkpointing
+    ref_model = None
+    if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
+        ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
+    # XRPO's state: the corpus of verified solutions (kept in the checkpoint), and the frozen initial weights that
+    # embed problem statements for the neighbour search (the reference model's, when there is one)
+    corpus = Corpus(per_problem=cfg.icl_per_problem)
+    if state is not None:
+        corpus.load_state_dict(state["extra"]["xrpo_corpus"])
+    embedder = None
+    if cfg.icl:
+        embedder = ref_model or Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
+    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
+    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
+    rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
+    policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (warm-up, then constant)
+    start_step = state["step"] if state else 0
+    if state is not None:
+        dist.load_optimizer_state(model, optimizer, state["optimizer"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    if start_step:  # LambdaLR with last_epoch does not set the lr itself
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
+    if start_step == 0:
+        with autocast:
+            first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+        first_acc = first["eval/greedy_acc"]
+        log.log(0, first)
+
+    for step in range(start_step + 1, cfg.steps + 1):
+        # ---- 1. sample (XRPO Alg. 1): n_base rollouts of each of this rank's prompts, then rounds that spend the
+        # rest of the B×G budget by priority, seeding prompts with no correct rollout yet with solved neighbours
+        t0 = time.time()
+        everyone = step_prompts(train, step, cfg.prompts_per_step, cfg.seed)
+        problems = dist.shard(everyone)
+        contexts = [tok.prompt(format_question(p)) for p in problems]
+        if embedder is not None:  # every rank embeds the whole batch: all ranks keep the same corpus
+            corpus.embed_new(embedder, tok, [p.prompt for p in everyone])
+        b, texts, correct, icl, per_prompt = sample_rounds(rollout, tok, problems, contexts, corpus, cfg,
+                                                           cfg.seed * 1_000_003 + step * 1009 + dist.rank(), autocast)
+        t_sample = time.time()
+
+        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
+        rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
+        n_groups = int(b.group.max()) + 1
+        group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, b.group, rewards, "amax")
+        group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, b.group, rewards, "amin")
+        zero_var = group_max == group_min  # [groups]
+        keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        b_all, correct_all, rewards_all = b, correct, rewards
+        b, rewards = b.select(keep), rewards[keep]
+
+        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
+        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        old_logp = ref_logp = None
+        if cfg.epochs * cfg.mini_batches > 1 or cfg.nov_lambda > 0:  # XRPO: the novelty score s(y) reads π_old
+            old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        if ref_model is not None:
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        t_score = time.time()
+
+        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
+        adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
+        bonus = torch.zeros_like(adv)  # XRPO §3.3: correct rollouts less likely than their group's average gain
+        if cfg.nov_lambda > 0:  # s(y) (eq. 4) from π_old, each rollout in the context it is trained with
+            adv, bonus = sharpen(adv, correct[keep], sequence_scores(old_logp, b.lengths), b.group, cfg.nov_lambda,
+                                 cfg.nov_kappa, cfg.nov_all_correct)
+        # Alg. 1 line 18: the step's correct rollouts join the corpus (every rank's: the corpus stays one)
+        update_corpus(corpus, gather([problems[q].prompt for q in b_all.group]), gather(texts), gather(correct_all.tolist()))
+
+        # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
+        stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
+        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
+            raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
+                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
+                           f"in {ckpt_dir} is intact")
+        scheduler.step()
+        dist.sync_rollout(model, rollout)
+        t_train = time.time()
+
+        # ---- 6. log, evaluate, save
+        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
+                               if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
+        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        metrics.update(xrpo_metrics(per_prompt, cfg, b_all.group, icl, correct_all, correct[keep], bonus, corpus))
+        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS + XRPO_SUMS, maxes=METRIC_MAXES + XRPO_MAXES))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with autocast:
+                last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+            log.log(step, last)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save(model, optimizer, ckpt_dir, step, cfg, extra={"xrpo_corpus": corpus.state_dict()})
+
+    if dist.is_main() and cfg.steps > start_step:
+        before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
+        print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
+              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
+    dist.cleanup()
+
+
+def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
+    """fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them), written
+    atomically; never from non-finite weights, which would replace the last good checkpoint with garbage."""
+    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
+    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
+        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
+                       "is intact (rerun with --resume and a lower --lr)")
+    if dist.is_main():
+        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
+                        extra={"config": asdict(cfg), **(extra or {})})
+    dist.barrier()
+
+
+def _model_dir(name):
+    from common.hub import resolve_model_dir
+    return resolve_model_dir(name)
+
+
+def _minutes(seconds):
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -119,8 +119,7 @@ def test_7_trigger_exemplars_and_fallback(corpus, tok):
     # empty corpus: every context is the plain prompt, identical
     ctx = xrpo.round_contexts(tok, PROBLEMS, plain, [[0, 0]] * 4, alloc, corpus, 2, 1024)
     assert all(ids == p and not is_icl for (ids, is_icl), p in zip(ctx, plain))
-    xrpo.update_corpus(corpus, PROBLEMS, [["a \\boxed{7}"], ["b \\boxed{42}"], ["c \\boxed{7}"], ["d \\boxed{53}"]],
-                       [[1], [1], [1], [0]])
+    xrpo.update_corpus(corpus, PROBLEMS, ["a \\boxed{7}", "b \\boxed{42}", "c \\boxed{7}", "d \\boxed{53}"], [1, 1, 1, 0])
     correct = [[0, 1], [0, 0], [0, 0], [0, 0]]
     ctx = xrpo.round_contexts(tok, PROBLEMS, plain, correct, alloc, corpus, 2, 1024)
     assert ctx[0] == (plain[0], False)  # a prompt with a correct rollout is never seeded
@@ -145,7 +144,7 @@ def test_7_layout_and_k(corpus, tok):
                                      "<solution>S1</solution>", '<example id="2">', "</examples>",
                                      "<new_problem>NEW</new_problem>")]
     assert order == sorted(order)
-    xrpo.update_corpus(corpus, PROBLEMS[1:], [["x"], ["y"], ["z"]], [[1], [1], [1]])
+    xrpo.update_corpus(corpus, PROBLEMS[1:], ["x", "y", "z"], [1, 1, 1])
     assert len(corpus.neighbours(PROBLEMS[0], 2)) == 2 and len(corpus.neighbours(PROBLEMS[0], 5)) == 3
     assert PROBLEMS[0] not in corpus.neighbours(PROBLEMS[0], 5)
     assert PROBLEMS[1] not in corpus.neighbours(PROBLEMS[1], 5)
@@ -185,7 +184,7 @@ def test_8_corpus_update_adds_exactly_the_correct():
         texts = [[f"s{step}-{q}-{i}" for i in range(4)] for q in range(3)]
         correct = [[float(rng.random() < 0.4) for _ in range(4)] for _ in range(3)]
         before = {p: list(v) for p, v in c.solutions.items()}
-        xrpo.update_corpus(c, ["p0", "p1", "p2"], texts, correct)
+        xrpo.update_corpus(c, [f"p{q}" for q in range(3) for _ in range(4)], sum(texts, []), sum(correct, []))
         for q in range(3):
             added = [t for t, r in zip(texts[q], correct[q]) if r == 1]
             assert c.solutions.get(f"p{q}", []) == (before.get(f"p{q}", []) + added)[-3:]
@@ -202,7 +201,7 @@ def test_corpus_keeps_the_answer_after_thinking():
 
 
 def test_corpus_state_round_trip(corpus):
-    xrpo.update_corpus(corpus, PROBLEMS, [["a"], ["b"], ["c"], ["d"]], [[1], [0], [1], [1]])
+    xrpo.update_corpus(corpus, PROBLEMS, ["a", "b", "c", "d"], [1, 0, 1, 1])
     again = xrpo.Corpus()
     again.load_state_dict(corpus.state_dict())
     assert again.solutions == corpus.solutions
@@ -275,3 +274,177 @@ def test_11_novelty_invariances():
     repeated = xrpo.sequence_scores(torch.cat(parts), torch.tensor([3, 15, 2, 4]))
     torch.testing.assert_close(repeated, score)
     torch.testing.assert_close(score[0], token_logp[:3].mean())
+
+
+# -------------------------------------------------------------------- 9, 12: groups and the loss context
+
+def test_9_ragged_groups_have_zero_mean_advantages():
+    # three prompts with 4, 9 and 3 rollouts (base + rounds), interleaved as the rounds append them
+    group = torch.tensor([0] * 4 + [1] * 4 + [2] * 4 + [1] * 5 + [2] * 0 + [0] * 0 + [2] * 1)
+    g = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(len(group), generator=g) < 0.5).float()
+    rewards[group == 0] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    rewards[group == 2] = 1.0  # all equal
+    adv = xrpo.group_advantages(rewards, group, "std")
+    for q in (0, 1):
+        if rewards[group == q].std() > 0:
+            assert abs(adv[group == q].sum().item()) < 1e-5
+    assert torch.equal(adv[group == 2], torch.zeros(5))
+
+
+class GradRecorder:
+    """Stands in for AdamW: keeps the step's gradient and leaves the weights alone."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self):
+        self.grads.append(torch.cat([p.grad.flatten().clone() for p in self.model.parameters()]))
+
+
+def test_12_icl_prompt_tokens_get_no_loss(tok, tiny_model_dir):
+    """Rollouts sampled from an in-context prompt train with it as context: only their completion tokens have a
+    loss term and count in the token-mean; the gradient is REINFORCE's over those tokens alone."""
+    from common.batch import Batch
+    model = Transformer.from_pretrained(tiny_model_dir)
+    plain = tok.prompt("What is 2 + 3?")
+    icl = xrpo.icl_prompt(tok, "What is 2 + 3?", [("What is 1 + 1?", "1 + 1 = \\boxed{2}")], 1024)
+    comps = [[17, 23, 5], [9, 4], [31, 2, 8, 6], [12]]
+    contexts = [plain, plain, icl, icl]
+    b = Batch(contexts, comps, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+              torch.zeros(10), torch.ones(4, dtype=torch.bool), ["5"] * 4)
+    adv = xrpo.group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), b.group, "std")
+    cfg = xrpo.Config(max_grad_norm=1e9, temperature=0.7, micro_batch=3, kl_coef=0.0)
+    opt = GradRecorder(model)
+    off = torch.autocast("cpu", enabled=False)
+    stats = xrpo.update(model, model, opt, b, adv, cfg, tok.pad_id, torch.device("cpu"), off)
+    assert stats["tokens"] == sum(len(c) for c in comps)  # only completion tokens are scored
+    model.zero_grad(set_to_none=True)
+    loss = 0
+    for ctx, c, a in zip(contexts, comps, adv):
+        ids = torch.tensor([ctx + c])
+        logits = model(ids)[0, len(ctx) - 1: -1].double() / 0.7
+        loss = loss - a * torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).sum()
+    (loss / sum(len(c) for c in comps)).backward()
+    reinforce = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert opt.grads[0].abs().max() > 0
+    torch.testing.assert_close(opt.grads[0], reinforce, atol=1e-6, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- the loop: main()
+
+@pytest.fixture(scope="module")
+def digit_model_dir(tiny_model_dir, tmp_path_factory):
+    """A tiny model whose untied LM head scores only the ten digit tokens: it answers "Say 7" with one digit, right
+    about one time in ten, so rewards vary, groups differ and the corpus fills."""
+    import shutil
+    m = Transformer.from_pretrained(tiny_model_dir)
+    m.cfg.tie_word_embeddings = False
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    digits = [tok.encode(str(d))[0] for d in range(10)]
+    with torch.no_grad():  # the last prompt position's state is about the same for every prompt: aim the digits at it
+        h = m(torch.tensor([tok.prompt("Say 0")]), return_hidden=True)[0, -1]
+    head = torch.zeros_like(m.lm_head.weight)
+    head[digits] = 15 * h / h.norm() ** 2 + 0.1 * torch.randn(10, head.shape[1], generator=torch.Generator().manual_seed(1))
+    m.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    m.lm_head.weight.data.copy_(head)
+    folder = tmp_path_factory.mktemp("digits") / "model"
+    m.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    return folder
+
+
+def digit_args(model_dir, tmp_path):
+    task = tmp_path / "digits.jsonl"
+    task.write_text("".join(f'{{"prompt": "Say {d}", "answer": "{d}"}}\n' for d in list(range(10)) * 3))
+    return ["--model", str(model_dir), "--task", str(task), "--prompts-per-step", "4", "--group-size", "6",
+            "--max-new-tokens", "1", "--eval-size", "3", "--micro-batch", "8",
+            "--eval-every", "100", "--lr", "1e-2", "--dtype", "float32"]
+
+
+def run_main(module, tmp_path, monkeypatch, *argv):
+    monkeypatch.chdir(tmp_path)
+    module.main(list(argv))
+
+
+def rows_of(tmp_path, name):
+    import json
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_13_mechanisms_off_is_grpo(tmp_path, monkeypatch, digit_model_dir):
+    """No dynamic budget, ICL off, λ_nov = 0: one step of xrpo.py gives grpo.py's weights, bit for bit."""
+    import grpo
+    from safetensors.torch import load_file
+    args = digit_args(digit_model_dir, tmp_path) + ["--steps", "1", "--group-size", "8", "--kl-coef", "0.001"]
+    run_main(grpo, tmp_path, monkeypatch, *args, "--run-name", "grpo")
+    run_main(xrpo, tmp_path, monkeypatch, *args, "--run-name", "xrpo", "--base-rollouts", "8", "--rounds", "0",
+             "--no-icl", "--nov-lambda", "0")
+    a = load_file(tmp_path / "runs" / "grpo" / "checkpoint" / "model.safetensors")
+    b = load_file(tmp_path / "runs" / "xrpo" / "checkpoint" / "model.safetensors")
+    start = load_file(digit_model_dir / "model.safetensors")
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # the step did train
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ga, xa = rows_of(tmp_path, "grpo")[1], rows_of(tmp_path, "xrpo")[1]
+    assert {k: v for k, v in ga.items() if not k.startswith("perf/")} == \
+           {k: v for k, v in xa.items() if not k.startswith(("perf/", "xrpo/"))}
+
+
+def test_resume_gives_the_same_run_and_the_mechanisms_act(tmp_path, monkeypatch, digit_model_dir):
+    args = digit_args(digit_model_dir, tmp_path) + ["--base-rollouts", "3"]
+    run_main(xrpo, tmp_path, monkeypatch, *args, "--steps", "4", "--run-name", "full")
+    run_main(xrpo, tmp_path, monkeypatch, *args, "--steps", "2", "--run-name", "cut")
+    run_main(xrpo, tmp_path, monkeypatch, *args, "--steps", "4", "--run-name", "cut", "--resume")
+
+    def train_rows(name):
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")}
+                for r in rows_of(tmp_path, name) if "reward/mean" in r}
+
+    full, cut = train_rows("full"), train_rows("cut")
+    assert sorted(cut) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert cut[step] == full[step], step
+    rows = list(full.values())
+    # every step spends exactly B×G rollouts, unevenly; ICL prompts are used; bonuses are given; the corpus grows
+    assert all(r["xrpo/rollouts_mean"] == 6 for r in rows)
+    assert any(r["xrpo/rollouts_max"] > r["xrpo/rollouts_min"] for r in rows)
+    assert any(r["xrpo/icl_share"] > 0 for r in rows) and rows[0]["xrpo/icl_share"] == 0  # the corpus starts empty
+    assert any((r["xrpo/bonus_share"] or 0) > 0 for r in rows)
+    sizes = [r["xrpo/corpus_size"] for r in rows]
+    assert sizes == sorted(sizes) and sizes[-1] > 0
+    state = torch.load(tmp_path / "runs" / "full" / "checkpoint" / "trainer.pt", weights_only=False)
+    assert sum(len(v) for v in state["extra"]["xrpo_corpus"]["solutions"].values()) == sizes[-1]
+
+
+@pytest.mark.parametrize("options", [[], ["--seq-ratio", "--alloc", "greedy", "--nov-all-correct"]])
+def test_smoke_main_on_tiny_model(tmp_path, monkeypatch, tiny_model_dir, options):
+    """One step of main() end to end; the second run with the options: XRPO on GSPO, greedy allocation, bonuses in
+    all-correct groups."""
+    run_main(xrpo, tmp_path, monkeypatch, "--model", str(tiny_model_dir), "--steps", "1", "--run-name", "smoke",
+             "--prompts-per-step", "2", "--group-size", "4", "--base-rollouts", "3", "--rounds", "1",
+             "--max-new-tokens", "6", "--eval-size", "3", "--train-size", "50", "--micro-batch", "4",
+             "--dtype", "float32", *options)
+    rows = rows_of(tmp_path, "smoke")
+    assert [r["step"] for r in rows if "eval/greedy_acc" in r] == [0, 1]
+    step = next(r for r in rows if "reward/mean" in r)
+    assert step["xrpo/rollouts_mean"] == 4 and "xrpo/icl_share" in step and "xrpo/corpus_size" in step
+    assert Transformer.from_pretrained(tmp_path / "runs" / "smoke" / "checkpoint").cfg.num_layers == 2
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--base-rollouts", "1"], "--base-rollouts"),
+    (["--base-rollouts", "9"], "--base-rollouts"),
+    (["--rounds", "0"], "--rounds"),
+    (["--alloc-conf", "95"], "alloc-conf"),
+    (["--icl-max-len", "5"], "--icl-max-len"),
+])
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, tiny_model_dir, args, option):
+    from common.config import ConfigError
+    with pytest.raises(ConfigError, match=option):  # main_guard turns it into one line and exit 2 (tested in grpo)
+        run_main(xrpo, tmp_path, monkeypatch, "--model", str(tiny_model_dir), "--run-name", "bad",
+                 "--train-size", "20", "--eval-size", "2", *args)
+    assert not (tmp_path / "runs").exists()
