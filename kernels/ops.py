@@ -195,42 +195,93 @@ def linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, *, chunk_s
 
 class _PolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, adv, weights, ref_logp, eps_low, eps_high, dual_clip, kl_coef):
+    def forward(ctx, logp, entropy, old_logp, adv, eps_low, eps_high, options):
         loss, dloss_dlogp, clipped_low, clipped_high = triton_kernels.policy_loss_fwd(
-            logp, old_logp, adv, weights, ref_logp, eps_low, eps_high, dual_clip, kl_coef)
+            logp, old_logp, adv, eps_low, eps_high, entropy=entropy, **options)
         ctx.save_for_backward(dloss_dlogp)  # the kernel wrote the local derivative already
         ctx.logp_dtype = logp.dtype
+        ctx.entropy_coef = options["entropy_coef"]
+        ctx.entropy_dtype = None if entropy is None else entropy.dtype
         ctx.mark_non_differentiable(clipped_low, clipped_high)
         return loss, clipped_low, clipped_high
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_low, _grad_high):
         (dloss_dlogp,) = ctx.saved_tensors
-        return (grad_loss * dloss_dlogp).to(ctx.logp_dtype), *([None] * 8)
+        grad_logp = (grad_loss * dloss_dlogp).to(ctx.logp_dtype)
+        # loss -= entropy_coef * entropy: the bonus is linear in entropy
+        grad_entropy = None if ctx.entropy_dtype is None else (-ctx.entropy_coef * grad_loss).to(ctx.entropy_dtype)
+        return grad_logp, grad_entropy, None, None, None, None, None
 
 
-def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *,
-                weights=None, dual_clip=None, ref_logp=None, kl_coef=0.0):
-    """Per-token clipped surrogate, r = exp(logp - old_logp):
+def _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high, dual_clip, kl_coef, entropy_coef,
+                         shaped_beta, tis_cap):
+    """One-line ValueErrors for inputs policy_loss cannot use."""
+    def fail(message):
+        raise ValueError(f"kernels.policy_loss: {message}")
 
-        loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), capped at -dual_clip * A where A < 0,
-               times weights, plus kl_coef * k3(ref_logp, logp)   (kernels.reference.policy_loss)
-
-    Returns fp32 loss, bool clipped_low = (r < 1 - eps_low) & (A < 0) and bool clipped_high =
-    (r > 1 + eps_high) & (A > 0) (where the ratio clip cuts the gradient; the dual clip is not
-    counted), all of logp's shape. Only logp gets a gradient."""
-    named = {"old_logp": old_logp, "advantages": advantages, "weights": weights, "ref_logp": ref_logp}
+    named = {**float_inputs, "shaped": shaped, "seq_ids": seq_ids}
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != logp.shape:
-            raise ValueError(f"kernels.policy_loss: {name} has shape {list(tensor.shape)}, "
-                             f"expected logp's shape {list(logp.shape)} (broadcast it first)")
+            fail(f"{name} has shape {list(tensor.shape)}, expected logp's shape {list(logp.shape)} (broadcast it first)")
+    for name, tensor in float_inputs.items():
+        if tensor is not None and not tensor.is_floating_point():
+            fail(f"{name} must be a float tensor, got {tensor.dtype}")
+    if shaped is not None and shaped.dtype != torch.bool:
+        fail(f"shaped must be a bool tensor, got {shaped.dtype}")
+    if seq_ids is not None and seq_ids.dtype != torch.long:
+        fail(f"seq_ids must be a long tensor (sequence index per token), got {seq_ids.dtype}")
+    if not (0 <= eps_low <= 1 and eps_high >= 0):
+        fail(f"expected 0 <= eps_low <= 1 and eps_high >= 0 (1 and inf: no clip), got {eps_low}, {eps_high}")
     if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"kernels.policy_loss: dual_clip must be > 1, got {dual_clip}")
+        fail(f"dual_clip must be > 1, got {dual_clip}")
+    if shaped is not None and not shaped_beta > 0:
+        fail(f"shaped_beta must be > 0, got {shaped_beta}")
+    if tis_cap is not None and not tis_cap > 0:
+        fail(f"tis_cap must be > 0 (or None: no truncation), got {tis_cap}")
+    for coef, name, needs in ((kl_coef, "kl_coef", "ref_logp"), (entropy_coef, "entropy_coef", "entropy"),
+                              (tis_cap, "tis_cap", "sampler_logp")):
+        if coef not in (None, 0.0) and float_inputs[needs] is None:
+            fail(f"{name}={coef} needs {needs}")
+
+
+def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, dual_clip=None,
+                ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
+                seq_ids=None, sampler_logp=None, tis_cap=None):
+    """Per-token clipped surrogate with its options; the math, written out, is kernels.reference.policy_loss:
+
+        r = exp(logp - old_logp)  (with seq_ids: GSPO's sequence ratio, per token, gradient r d logp)
+        loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), capped at -dual_clip * A where A < 0;
+               -A r / (r + shaped_beta) on shaped tokens (no clip); times weights and
+               min(exp(old_logp - sampler_logp), tis_cap); plus kl_coef * k3(ref_logp, logp) with the
+               log-ratio clamped to +-10; minus entropy_coef * entropy
+
+    All inputs have logp's shape; shaped is bool, seq_ids long. Returns fp32 loss, bool clipped_low =
+    (r < 1 - eps_low) & (A < 0) and bool clipped_high = (r > 1 + eps_high) & (A > 0), shaped tokens
+    excluded (where the ratio clip cuts the gradient; the dual clip is not counted), all of logp's shape.
+    logp gets a gradient, and entropy when entropy_coef != 0; every other input is a constant.
+    eps_low = 1, eps_high = inf switch the clip off."""
+    float_inputs = {"old_logp": old_logp, "advantages": advantages, "weights": weights, "ref_logp": ref_logp,
+                    "entropy": entropy, "sampler_logp": sampler_logp}
+    _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high, dual_clip, kl_coef, entropy_coef,
+                         shaped_beta, tis_cap)
+    options = dict(weights=weights, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy,
+                   entropy_coef=entropy_coef, shaped=shaped, shaped_beta=shaped_beta, seq_ids=seq_ids,
+                   sampler_logp=sampler_logp, tis_cap=tis_cap)
     if not use_triton(logp):
-        return reference.policy_loss(logp, old_logp, advantages, eps_low, eps_high, weights=weights,
-                                     dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef)
-    if ref_logp is None or kl_coef == 0.0:
-        ref_logp, kl_coef = None, 0.0
-    flat = [None if t is None else _flat(t.detach()) for t in (old_logp, advantages, weights, ref_logp)]
-    outs = _PolicyLoss.apply(_flat(logp), *flat, float(eps_low), float(eps_high), dual_clip, float(kl_coef))
+        return reference.policy_loss(logp, old_logp, advantages, eps_low, eps_high, **options)
+    if kl_coef == 0.0:
+        ref_logp = None
+    if entropy_coef == 0.0:
+        entropy = None
+    seq_log_ratio = None
+    if seq_ids is not None:  # GSPO: the per-sequence mean log-ratio, a constant, computed once here
+        seq_log_ratio = reference.sequence_mean(logp.detach().float() - old_logp.detach().float(), seq_ids)
+    flat = {name: None if t is None else _flat(t.detach()) for name, t in
+            dict(weights=weights, ref_logp=ref_logp, seq_log_ratio=seq_log_ratio, sampler_logp=sampler_logp,
+                 shaped=None if shaped is None else shaped.view(torch.int8)).items()}
+    kernel_options = dict(flat, dual_clip=dual_clip, kl_coef=float(kl_coef), entropy_coef=float(entropy_coef),
+                          shaped_beta=float(shaped_beta), tis_cap=tis_cap, kl_max=reference.KL_LOG_RATIO_MAX)
+    outs = _PolicyLoss.apply(_flat(logp), None if entropy is None else _flat(entropy), _flat(old_logp.detach()),
+                             _flat(advantages.detach()), float(eps_low), float(eps_high), kernel_options)
     return tuple(out.view(logp.shape) for out in outs)

@@ -48,36 +48,89 @@ def linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, *, chunk_s
     return logprobs_entropy(hidden @ weight.T, targets, temperature)
 
 
-def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *,
-                weights=None, dual_clip=None, ref_logp=None, kl_coef=0.0):
-    """Per-token clipped surrogate (PPO / GRPO), optionally dual-clipped, weighted and KL-regularized.
+# k3's log-ratio ref_logp - logp is clamped to [-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX] before exp
+KL_LOG_RATIO_MAX = 10.0
 
-        r      = exp(logp - old_logp)
-        loss   = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-        loss   = min(loss, -c A)            where A < 0, if dual_clip = c (> 1)   (Dual-clip PPO)
-        loss  *= w                          if weights (a constant: importance corrections)
-        loss  += kl_coef * (exp(ref - logp) - (ref - logp) - 1)      if ref_logp (k3 estimator)
 
-    Only logp receives gradients; old_logp, advantages, weights and ref_logp are constants.
-    Returns fp32 loss [...] and two bool indicators of where the clip is active, i.e. where the
-    surrogate's gradient is cut by the ratio clip:
-        clipped_low  = (r < 1 - eps_low)  & (A < 0)
-        clipped_high = (r > 1 + eps_high) & (A > 0)
-    (the dual clip is not counted in either).
+def sequence_mean(values, seq_ids):
+    """Per token, the mean of values over the tokens that share its sequence id. values [...] float,
+    seq_ids [...] long (ids >= 0, any order: a sequence's tokens need not be contiguous)."""
+    flat, ids = values.reshape(-1), seq_ids.reshape(-1)
+    n = int(ids.max()) + 1 if ids.numel() else 0  # one host sync; ids need not be dense
+    sums = torch.zeros(n, dtype=flat.dtype, device=flat.device).index_add_(0, ids, flat)
+    counts = torch.bincount(ids, minlength=n).clamp(min=1)
+    return (sums / counts)[ids].view(values.shape)
+
+
+def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, dual_clip=None,
+                ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
+                seq_ids=None, sampler_logp=None, tis_cap=None):
+    """Per-token policy-gradient loss: the clipped surrogate of PPO / GRPO and the options its variants use.
+    Every option has a neutral default; with all of them off this is the plain clipped surrogate.
+
+        r     = exp(logp - old_logp)                                   the token's ratio, or with seq_ids
+              = sg(s) exp(logp - sg(logp)),  s = exp(mean over the token's sequence of (logp - old_logp))
+        loss  = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+        loss  = min(loss, -c A)               where A < 0, if dual_clip = c > 1
+        loss  = -A r / (r + shaped_beta)      on shaped tokens, instead of all the above
+        loss *= weights
+        loss *= min(exp(old_logp - sampler_logp), tis_cap)             if sampler_logp
+        loss += kl_coef * (exp(x) - x - 1),   x = clamp(ref_logp - logp, -10, 10)   if ref_logp
+        loss -= entropy_coef * entropy                                 if entropy
+
+    - dual_clip: Dual-clip PPO (arXiv 1912.09729): bounds the loss of a negative advantage at a huge ratio.
+    - shaped (bool): ExGRPO's replayed tokens (arXiv 2510.02245 §4.2), where old_logp is the stored
+      collection-time log-prob: f(w) = w / (w + beta) of the ratio w = r, never clipped, so the gradient
+      is -A beta w / (w + beta)^2 d logp (~10x the plain IS gradient as w -> 0, damped for w >> beta).
+      They are never counted in clipped_low / clipped_high. Weights, TIS, KL and entropy still apply.
+    - weights: a constant per-token factor on the surrogate (not on KL or entropy): importance
+      corrections such as EAPO's behaviour weight omega = sg(pi_old / mu) (arXiv 2606.30420).
+    - seq_ids (long): the sequence (completion) of each token. GSPO (arXiv 2507.18071 §4) in its
+      GSPO-token form: every token of sequence i uses the value s_i, with gradient s_i d logp_t, and the
+      clip applies to s_i. With one advantage per sequence and a caller that weights each token 1 / |y_i|,
+      the gradient is that of the sequence objective -min(s_i A, clip(s_i) A). The length normalisation
+      is the caller's aggregation weights, not done here.
+    - sampler_logp, tis_cap: truncated importance sampling against the log-probs of the policy copy that
+      sampled (e.g. bf16 weights, while the update runs fp32 master weights): a constant factor
+      min(pi_old / pi_sampler, tis_cap) on the surrogate, from "Your Efficient RL Framework Secretly
+      Brings You Off-Policy RL Training" (Yao et al., 2025). tis_cap None: not truncated.
+    - ref_logp, kl_coef: the k3 estimator of KL(pi || pi_ref) (Schulman, "Approximating KL divergence").
+      The clamp keeps exp finite (ref_logp - logp > 88 would overflow fp32); where it is active the
+      term is constant, so it contributes no gradient on those tokens: the KL stops pulling a token
+      whose log-ratio to the reference is beyond +-10 nats (torch.clamp's gradient, kept by the kernel).
+    - entropy, entropy_coef: an entropy bonus (ExGRPO uses 0.001). The gradient flows into entropy
+      (e.g. from linear_logprobs_entropy); everything else except logp is a constant.
+
+    eps_low = 1, eps_high = inf switch the clip off. Returns fp32 loss [...] and two bool indicators of
+    where the ratio clip cuts the surrogate's gradient (the dual clip is not counted in either):
+        clipped_low  = (r < 1 - eps_low)  & (A < 0) & ~shaped
+        clipped_high = (r > 1 + eps_high) & (A > 0) & ~shaped
     """
     logp = logp.float()
     old_logp, adv = old_logp.detach().float(), advantages.detach().float()
-    ratio = torch.exp(logp - old_logp)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-    loss = -surrogate
+    if seq_ids is None:
+        log_ratio = logp - old_logp
+    else:
+        log_ratio = sequence_mean(logp.detach() - old_logp, seq_ids) + (logp - logp.detach())
+    ratio = torch.exp(log_ratio)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    if shaped is not None:
+        loss = torch.where(shaped, -adv * ratio / (ratio + shaped_beta), loss)
     if weights is not None:
         loss = loss * weights.detach().float()
+    if sampler_logp is not None:
+        tis = torch.exp(old_logp - sampler_logp.detach().float())
+        loss = loss * (tis if tis_cap is None else tis.clamp(max=tis_cap))
     if ref_logp is not None and kl_coef != 0.0:
-        log_ratio_ref = ref_logp.detach().float() - logp
-        loss = loss + kl_coef * (torch.exp(log_ratio_ref) - log_ratio_ref - 1)
+        x = (ref_logp.detach().float() - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
+        loss = loss + kl_coef * (torch.exp(x) - x - 1)
+    if entropy is not None and entropy_coef != 0.0:
+        loss = loss - entropy_coef * entropy.float()
     ratio = ratio.detach()
     clipped_low = (ratio < 1 - eps_low) & (adv < 0)
     clipped_high = (ratio > 1 + eps_high) & (adv > 0)
+    if shaped is not None:
+        clipped_low, clipped_high = clipped_low & ~shaped, clipped_high & ~shaped
     return loss, clipped_low, clipped_high

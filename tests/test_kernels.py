@@ -120,11 +120,11 @@ def test_logprobs_entropy_one_output_and_batched_view(backend):
 
 # --- the chunked LM-head path ----------------------------------------------------------------------
 
-def hidden_weight(n, d, vocab, dtype, seed=0):
+def hidden_weight(n, d, vocab, dtype, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, d, generator=g).to(DEVICE, dtype)
-    weight = (torch.randn(vocab, d, generator=g) / d ** 0.5 * 3).to(DEVICE, dtype)
-    return hidden, weight, torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    hidden = torch.randn(n, d, generator=g).to(device, dtype)
+    weight = (torch.randn(vocab, d, generator=g) / d ** 0.5 * 3).to(device, dtype)
+    return hidden, weight, torch.randint(0, vocab, (n,), generator=g).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -182,29 +182,133 @@ def test_linear_path_under_autocast(backend):
         assert rel_err(out, ref) <= 3e-2  # bf16 logits
 
 
+# The CPU runs of every training step take ops._chunk_fwd / _chunk_bwd (the kernel's math in PyTorch,
+# in place), not Triton and not the reference: these pin that path on CPU tensors, FORCE_TRITON unset.
+
+def chunked_cpu_run(monkeypatch, hidden, weight, targets, temperature, grad_logp, grad_entropy, chunk_size):
+    """linear_logprobs_entropy through the PyTorch chunk path; returns (logp, entropy, d hidden, d weight)
+    and the rows of each chunk forward and backward."""
+    monkeypatch.delenv("FORCE_TRITON", raising=False)
+    assert not ops.use_triton(hidden)
+    rows = {"fwd": [], "bwd": []}
+    chunk_fwd, chunk_bwd = ops._chunk_fwd, ops._chunk_bwd
+    monkeypatch.setattr(ops, "_chunk_fwd", lambda logits, *a: rows["fwd"].append(len(logits)) or chunk_fwd(logits, *a))
+    monkeypatch.setattr(ops, "_chunk_bwd", lambda logits, *a: rows["bwd"].append(len(logits)) or chunk_bwd(logits, *a))
+    hidden, weight = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+    logp, entropy = kernels.linear_logprobs_entropy(hidden, weight, targets, temperature, chunk_size=chunk_size)
+    grads = torch.autograd.grad((logp * grad_logp + entropy * grad_entropy).sum(), (hidden, weight))
+    return (logp, entropy, *grads), rows
+
+
+def f64_linear_run(hidden, weight, targets, temperature, grad_logp, grad_entropy):
+    """The same outputs and gradients in float64 autograd, from all the logits at once."""
+    hidden64, weight64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    logp, entropy = f64_logprobs_entropy(hidden64 @ weight64.T, targets, temperature)
+    grads = torch.autograd.grad((logp * grad_logp + entropy * grad_entropy).sum(), (hidden64, weight64))
+    return logp, entropy, *grads
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_chunked_cpu_path_matches_float64(monkeypatch, temperature):
+    hidden, weight, targets = hidden_weight(13, 32, 1000, torch.float32, seed=4, device="cpu")
+    hidden[0] *= 30  # one row of logits ~ +-300: the max shift must keep it exact
+    grad_logp, grad_entropy = torch.randn(2, 13)
+    ours, rows = chunked_cpu_run(monkeypatch, hidden, weight, targets, temperature, grad_logp, grad_entropy, 5)
+    assert rows == {"fwd": [5, 5, 3], "bwd": [5, 5, 3]}  # several chunks, a short last one
+    exact = f64_linear_run(hidden, weight, targets, temperature, grad_logp, grad_entropy)
+    for name, out, ref in zip(["logp", "entropy", "d hidden", "d weight"], ours, exact):
+        assert out.dtype == torch.float32
+        assert rel_err(out, ref) <= 1e-5, name
+
+
+def test_chunked_cpu_path_under_bf16_autocast_within_rounding_bound(monkeypatch):
+    """Under autocast the head's matmul runs in bf16. Against float64 on the same bf16-rounded inputs, each
+    output must stay within a first-order bound built from bf16's unit roundoff u = 2^-8 (round to nearest,
+    8 significant bits), whatever the CPU's bf16 GEMM (fp32 accumulation, one rounding of its output):
+      logits   |dz_j| <= delta = u max_j |z_j| + d 2^-24 max_j sum_k |h_k w_jk|   per row (z = h W^T)
+      logp     |d logp| <= 2 delta / T                     (logp_t = s_t - logsumexp(s), s = z / T)
+      entropy  |dH| <= 2 H delta / T                       (dH = -sum_j p_j (log p_j + H) ds_j)
+      d logits error per entry, B_j: from p, log p and H moving (first order, as above), plus u |dlogits_j|
+               when the kernel's math rounds it to bf16
+      d hidden <= (B @ |W|)(1 + u) + u |dlogits| @ |W|,   d weight <= (B^T @ |h|)(1 + u) + u |dlogits|^T @ |h|
+               (the bf16 matmuls round their outputs once; d weight's per-chunk partial sums each once)
+    Every bound gets a factor 1.5 for the second-order terms."""
+    T, u, d = 0.7, 2.0 ** -8, 32
+    hidden, weight, targets = hidden_weight(11, d, 1000, torch.float32, seed=5, device="cpu")
+    grad_logp, grad_entropy = torch.randn(2, 11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, rows = chunked_cpu_run(monkeypatch, hidden, weight, targets, T, grad_logp, grad_entropy, 4)
+    assert rows["fwd"] == [4, 4, 3] and all(out.dtype == torch.float32 for out in ours)
+
+    # float64 on the rounded inputs: what the bf16 matmul multiplies exactly
+    h, w = hidden.bfloat16().double(), weight.bfloat16().double()
+    exact = f64_linear_run(h, w, targets, T, grad_logp, grad_entropy)
+    z = h @ w.T
+    delta = u * z.abs().amax(-1) + d * 2.0 ** -24 * (h.abs() @ w.abs().T).amax(-1)  # [N]
+    ds = (delta / T)[:, None]
+    logp_all = torch.log_softmax(z / T, -1)
+    p, H = logp_all.exp(), exact[1][:, None]
+    g_l, g_h = grad_logp.double()[:, None], grad_entropy.double()[:, None]
+    dlogits = (g_l * (torch.nn.functional.one_hot(targets, 1000) - p) - g_h * p * (logp_all + H)) / T
+    B = 2 * ds * p * (g_l.abs() + g_h.abs() * ((logp_all + H).abs() + 1 + H)) / T
+    B = B + u * (dlogits.abs() + B)
+    bounds = [2 * ds[:, 0], 2 * H[:, 0] * ds[:, 0],
+              (B @ w.abs()) * (1 + u) + u * dlogits.abs() @ w.abs(),
+              (B.T @ h.abs()) * (1 + u) + u * dlogits.abs().T @ h.abs()]
+    # the bounds have teeth: the same function at T = 0.8 instead of 0.7 breaks every one of them
+    near = f64_linear_run(h, w, targets, 0.8, grad_logp, grad_entropy)
+    for name, out, ref, other, bound in zip(["logp", "entropy", "d hidden", "d weight"], ours, exact, near, bounds):
+        err = (out.double() - ref).abs()
+        assert (err <= 1.5 * bound + 1e-6).all(), (name, (err / bound).max().item())
+        assert not ((other - ref).abs() <= 1.5 * bound + 1e-6).all(), name
+
+
 # --- policy loss -----------------------------------------------------------------------------------
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
-def f64_policy_loss(logp, old_logp, adv, weights=None, dual_clip=None, ref_logp=None, kl_coef=0.0):
-    """The float64 loss and its gradient in logp, written out region by region."""
-    logp, old_logp, adv = logp.double(), old_logp.double(), adv.double()
-    ratio = torch.exp(logp - old_logp)
-    clipped_low = (ratio < 1 - EPS_LOW) & (adv < 0)
-    clipped_high = (ratio > 1 + EPS_HIGH) & (adv > 0)
-    loss = torch.where(clipped_low, -(1 - EPS_LOW) * adv, torch.where(clipped_high, -(1 + EPS_HIGH) * adv, -ratio * adv))
-    grad = torch.where(clipped_low | clipped_high, 0.0, -ratio * adv)
+def f64_policy_loss(logp, old_logp, adv, eps_low=EPS_LOW, eps_high=EPS_HIGH, weights=None, dual_clip=None,
+                    ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
+                    seq_ids=None, sampler_logp=None, tis_cap=None):
+    """The float64 loss, its derivatives in logp and in entropy, and the clip indicators, written out region
+    by region (derivatives by hand, not by autograd)."""
+    logp, old_logp, adv = (t.detach().double() for t in (logp, old_logp, adv))
+    log_ratio = logp - old_logp
+    if seq_ids is not None:  # GSPO: each token takes its sequence's mean log-ratio (a loop here, unlike the ops)
+        log_ratio = log_ratio.clone()
+        for i in seq_ids.unique():
+            log_ratio[seq_ids == i] = (logp - old_logp)[seq_ids == i].mean()
+    ratio = log_ratio.exp()
+    low = (ratio < 1 - eps_low) & (adv < 0)
+    high = (ratio > 1 + eps_high) & (adv > 0)
+    loss = torch.where(low, -(1 - eps_low) * adv, torch.where(high, -(1 + eps_high) * adv, -ratio * adv))
+    grad = torch.where(low | high, 0.0, -ratio * adv)
     if dual_clip is not None:
         capped = (adv < 0) & (loss > -dual_clip * adv)
         loss, grad = torch.where(capped, -dual_clip * adv, loss), torch.where(capped, 0.0, grad)
+    if shaped is not None:  # -A f(w), f(w) = w / (w + beta), d f / d logp = beta w / (w + beta)^2
+        loss = torch.where(shaped, -adv * ratio / (ratio + shaped_beta), loss)
+        grad = torch.where(shaped, -adv * shaped_beta * ratio / (ratio + shaped_beta) ** 2, grad)
+        low, high = low & ~shaped, high & ~shaped
+    factor = torch.ones_like(logp)
     if weights is not None:
-        loss, grad = loss * weights.double(), grad * weights.double()
+        factor = factor * weights.detach().double()
+    if sampler_logp is not None:
+        tis = (old_logp - sampler_logp.detach().double()).exp()
+        factor = factor * (tis if tis_cap is None else torch.minimum(tis, torch.tensor(tis_cap).double()))
+    loss, grad = loss * factor, grad * factor
     if ref_logp is not None:
-        log_ratio_ref = ref_logp.double() - logp
-        loss = loss + kl_coef * (log_ratio_ref.exp() - log_ratio_ref - 1)
-        grad = grad + kl_coef * (1 - log_ratio_ref.exp())
-    return loss, grad, clipped_low, clipped_high
+        x = ref_logp.detach().double() - logp
+        inside = x.abs() <= 10  # beyond, the clamped k3 is constant in logp
+        x = x.clamp(-10, 10)
+        loss = loss + kl_coef * (x.exp() - x - 1)
+        grad = grad + torch.where(inside, kl_coef * (1 - x.exp()), 0.0)
+    grad_entropy = None
+    if entropy is not None:
+        loss = loss - entropy_coef * entropy.detach().double()
+        grad_entropy = torch.full_like(loss, -entropy_coef)
+    return loss, grad, grad_entropy, low, high
 
 
 def policy_inputs(n=12, seed=0):
@@ -217,30 +321,208 @@ def policy_inputs(n=12, seed=0):
     return [t.to(DEVICE) for t in (old_logp + ratio.log(), old_logp, adv)]
 
 
-@pytest.mark.parametrize("options", [{}, {"dual_clip": 3.0}, {"weights": True}, {"ref_logp": True, "kl_coef": 0.1},
-                                     {"dual_clip": 3.0, "weights": True, "ref_logp": True, "kl_coef": 0.05}])
+def option_inputs(names, logp, old_logp, seed=1):
+    """policy_loss keywords for the named options, with random inputs (no zeros). Float inputs require grad,
+    so that the test can check which of them get one."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(logp)
+
+    def rand(scale=1.0, shift=0.0):
+        return (torch.rand(n, generator=g) * scale + shift).to(DEVICE)
+
+    def randn():
+        return torch.randn(n, generator=g).to(DEVICE)
+
+    options = {}
+    for name in names:
+        if name == "dual_clip":
+            options["dual_clip"] = 3.0
+        elif name == "weights":
+            options["weights"] = rand(1.0, 0.5).requires_grad_(True)
+        elif name == "kl":
+            options.update(ref_logp=(logp + randn() * 0.3).requires_grad_(True), kl_coef=0.1)
+        elif name == "entropy":
+            options.update(entropy=rand(3.0, 0.1).requires_grad_(True), entropy_coef=0.3)
+        elif name == "shaped":
+            shaped = rand() < 0.4
+            shaped[[0, 6]] = True  # two tokens the clip would cut (ratio 0.5, A < 0; ratio 1.5, A > 0)
+            options.update(shaped=shaped, shaped_beta=0.1)
+        elif name == "seq":  # ids not dense, tokens of a sequence scattered
+            options["seq_ids"] = torch.randint(0, max(n // 5, 3), (n,), generator=g).to(DEVICE) * 2 + 1
+        elif name in ("tis", "tis_uncapped"):
+            options["sampler_logp"] = (old_logp + randn() * 0.5).requires_grad_(True)
+            options["tis_cap"] = 1.5 if name == "tis" else None
+        elif name == "no_clip":
+            options.update(eps_low=1.0, eps_high=float("inf"))
+    return options
+
+
+@pytest.mark.parametrize("names", [(), ("dual_clip",), ("weights",), ("kl",), ("dual_clip", "weights", "kl"),
+                                   ("entropy",), ("shaped",), ("seq",), ("tis",), ("tis_uncapped",), ("no_clip",),
+                                   ("dual_clip", "weights", "kl", "entropy", "shaped", "seq", "tis")])
 @pytest.mark.parametrize("n", [12, 3000])  # 3000 crosses kernel blocks
-def test_policy_loss_matches_float64(backend, options, n):
+def test_policy_loss_matches_float64(backend, names, n):
     logp, old_logp, adv = policy_inputs(n)
-    g = torch.Generator().manual_seed(1)
-    options = dict(options)
-    if options.get("weights"):
-        options["weights"] = (torch.rand(n, generator=g) + 0.5).to(DEVICE).requires_grad_(True)
-    if options.get("ref_logp"):
-        options["ref_logp"] = (logp + torch.randn(n, generator=g).to(DEVICE) * 0.3).requires_grad_(True)
+    options = option_inputs(names, logp, old_logp)
+    eps = options.pop("eps_low", EPS_LOW), options.pop("eps_high", EPS_HIGH)
     logp, old_logp, adv = logp.requires_grad_(True), old_logp.requires_grad_(True), adv.requires_grad_(True)
-    loss, clipped_low, clipped_high = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH, **options)
-    upstream = torch.randn(n, generator=g).to(DEVICE)
+    loss, clipped_low, clipped_high = backend.policy_loss(logp, old_logp, adv, *eps, **options)
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     (loss * upstream).sum().backward()
 
-    loss64, grad64, low64, high64 = f64_policy_loss(logp.detach(), old_logp, adv, **options)
-    assert loss.dtype == torch.float32 and rel_err(loss, loss64) <= 1e-5
+    loss64, grad64, grad_entropy64, low64, high64 = f64_policy_loss(logp, old_logp, adv, *eps, **options)
+    assert loss.dtype == torch.float32 and loss.isfinite().all() and rel_err(loss, loss64) <= 1e-5
     assert rel_err(logp.grad, grad64 * upstream) <= 1e-5
     assert torch.equal(clipped_low.bool(), low64) and torch.equal(clipped_high.bool(), high64)
-    assert clipped_low[:8].tolist() == [True, False, False, False] + [False] * 4
-    assert clipped_high[:8].tolist() == [False] * 4 + [False, False, True, True]
-    constants = [old_logp, adv] + [options[k] for k in ("weights", "ref_logp") if k in options]
+    if "entropy" in names:
+        assert rel_err(options["entropy"].grad, grad_entropy64 * upstream) <= 1e-6
+    if not {"shaped", "seq", "no_clip"} & set(names):
+        assert clipped_low[:8].tolist() == [True, False, False, False] + [False] * 4
+        assert clipped_high[:8].tolist() == [False] * 4 + [False, False, True, True]
+    if "no_clip" in names:
+        assert not (clipped_low.any() or clipped_high.any())
+    constants = [old_logp, adv] + [options[k] for k in ("weights", "ref_logp", "sampler_logp") if k in options]
     assert all(t.grad is None for t in constants)
+
+
+def test_policy_loss_neutral_options_reproduce_the_plain_surrogate(backend):
+    """Every option at its neutral value (or absent) gives the plain clipped surrogate, bit for bit as the
+    pre-option reference computed it."""
+    logp, old_logp, adv = policy_inputs(300)
+    entropy = torch.rand(300, device=DEVICE).requires_grad_(True)
+    neutral = dict(weights=torch.ones(300, device=DEVICE), dual_clip=None, ref_logp=logp + 1.0, kl_coef=0.0,
+                   entropy=entropy, entropy_coef=0.0, shaped=None, shaped_beta=0.1, seq_ids=None,
+                   sampler_logp=old_logp.clone(), tis_cap=None)
+    outs = []
+    for options in ({}, neutral):
+        x = logp.clone().requires_grad_(True)
+        loss, low, high = backend.policy_loss(x, old_logp, adv, EPS_LOW, EPS_HIGH, **options)
+        outs.append((loss, torch.autograd.grad(loss.sum(), x)[0], low, high))
+    x = logp.clone().requires_grad_(True)
+    ratio = torch.exp(x - old_logp)  # the surrogate as the reference wrote it before the options
+    plain = -torch.minimum(ratio * adv, ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * adv)
+    plain_outs = (plain, torch.autograd.grad(plain.sum(), x)[0],
+                  (ratio < 1 - EPS_LOW) & (adv < 0), (ratio > 1 + EPS_HIGH) & (adv > 0))
+    for default, with_neutral, before in zip(outs[0], outs[1], plain_outs):
+        assert torch.equal(default, with_neutral)
+        if backend is reference:
+            assert torch.equal(default, before)
+        else:  # Triton's exp may differ from torch's in the last bit
+            torch.testing.assert_close(default, before.detach(), rtol=1e-6, atol=0)
+
+
+def test_policy_loss_shaped_tokens_are_never_clipped(backend):
+    w = torch.tensor([0.05, 0.5, 1.0, 1.5, 10.0] * 2, device=DEVICE)  # ratios far outside [0.8, 1.28] too
+    adv = torch.tensor([-1.3] * 5 + [0.7] * 5, device=DEVICE)
+    old_logp = -torch.rand(10, device=DEVICE) * 3
+    logp = (old_logp + w.log()).requires_grad_(True)
+    _, low, high = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH)
+    assert low.sum() == 2 and high.sum() == 2  # unshaped, the clip would cut four of them
+    loss, low, high = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH,
+                                          shaped=torch.ones(10, dtype=torch.bool, device=DEVICE), shaped_beta=0.1)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    assert not low.any() and not high.any()
+    assert rel_err(loss, -adv.double() * w.double() / (w.double() + 0.1)) <= 1e-6
+    # at w = 1: f(1) = 1 / 1.1 and d f / d log pi = 0.1 / 1.21 (the gradient of -A f)
+    torch.testing.assert_close(loss[[2, 7]], -adv[[2, 7]] / 1.1)
+    torch.testing.assert_close(grad[[2, 7]], -adv[[2, 7]] * 0.1 / 1.21)
+
+
+def test_policy_loss_sequence_ratio(backend):
+    lengths = torch.tensor([3, 1, 5, 2, 1])
+    perm = torch.randperm(12)  # a sequence's tokens need not be contiguous
+    seq_ids = torch.arange(5).repeat_interleave(lengths)[perm].to(DEVICE)
+    old_logp = -torch.rand(12, device=DEVICE) * 3
+    logp = old_logp + torch.randn(12, device=DEVICE) * 0.1  # small log-ratios: every sequence ratio inside the clip
+    adv = torch.randn(12, device=DEVICE)
+    loss, _, _ = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH, seq_ids=seq_ids)
+    seq_ratio = torch.stack([(logp - old_logp)[seq_ids == seq_ids[t]].mean().exp() for t in range(12)])
+    assert 0.8 < seq_ratio.min() and seq_ratio.max() < 1.28
+    torch.testing.assert_close(loss, -adv * seq_ratio)
+    # one token per sequence: the sequence ratio is the token ratio, value and gradient
+    outs = []
+    for ids in (torch.arange(12, device=DEVICE), None):
+        x = logp.clone().requires_grad_(True)
+        loss, _, _ = backend.policy_loss(x, old_logp, adv, EPS_LOW, EPS_HIGH, seq_ids=ids)
+        outs.append((loss, torch.autograd.grad(loss.sum(), x)[0]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=0)
+
+
+def test_gspo_gradient_equals_the_sequence_objective(backend):
+    """Per-token losses weighted 1 / |y_i| and summed have the value and the gradient (float64 autograd) of
+    GSPO's sequence objective sum_i -min(s_i A_i, clip(s_i, 1 - eps, 1 + eps) A_i), clipped sequences included."""
+    lengths = torch.tensor([4, 1, 6, 3, 2, 5])
+    n = int(lengths.sum())
+    perm = torch.randperm(n)
+    seq_ids = torch.arange(6).repeat_interleave(lengths)[perm]
+    seq_adv = torch.tensor([0.9, -1.1, 0.6, -0.4, 1.3, -0.8])
+    seq_shift = torch.tensor([0.5, -0.6, 0.02, 0.1, -0.05, 0.4])  # s_i from ~0.55 to ~1.6: both clips, and inside
+    old_logp = -torch.rand(n) * 3
+    logp = old_logp + seq_shift[seq_ids] + torch.randn(n) * 0.05
+    weight = 1.0 / lengths[seq_ids].double()
+
+    x = logp.to(DEVICE).requires_grad_(True)
+    loss, _, _ = backend.policy_loss(x, old_logp.to(DEVICE), seq_adv[seq_ids].to(DEVICE), EPS_LOW, EPS_HIGH,
+                                     seq_ids=seq_ids.to(DEVICE))
+    objective = (loss.double() * weight.to(DEVICE)).sum()
+    (grad,) = torch.autograd.grad(objective, x)
+
+    x64 = logp.double().requires_grad_(True)
+    s = torch.stack([(x64 - old_logp.double())[seq_ids == i].mean().exp() for i in range(6)])
+    assert (s < 1 - EPS_LOW).any() and (s > 1 + EPS_HIGH).any() and ((s > 0.8) & (s < 1.28)).any()
+    seq_loss = -torch.minimum(s * seq_adv.double(), s.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * seq_adv.double())
+    (grad64,) = torch.autograd.grad(seq_loss.sum(), x64)
+    assert abs(objective.item() - seq_loss.sum().item()) <= 1e-5
+    assert rel_err(grad, grad64) <= 1e-5
+
+
+def test_policy_loss_tis_weight_is_capped(backend):
+    logp, old_logp, adv = policy_inputs(12)
+    weight = torch.tensor([5.0, 0.5, 1.2, 3.0] * 3, device=DEVICE)  # pi_old / pi_sampler
+    sampler_logp = old_logp - weight.log()
+    outs = []
+    for options in ({}, {"sampler_logp": sampler_logp, "tis_cap": 2.0}):
+        x = logp.clone().requires_grad_(True)
+        loss, _, _ = backend.policy_loss(x, old_logp, adv, EPS_LOW, EPS_HIGH, **options)
+        outs.append((loss, torch.autograd.grad(loss.sum(), x)[0]))
+    capped = weight.clamp(max=2.0)  # [2, 0.5, 1.2, 2] ...
+    for plain, weighted in zip(*outs):
+        torch.testing.assert_close(weighted, plain * capped)
+
+
+def test_policy_loss_kl_is_finite_far_from_the_reference(backend):
+    logp, old_logp, adv = policy_inputs(12)
+    far = torch.tensor([100.0, -100.0] * 6, device=DEVICE)
+    outs = []
+    for options in ({}, {"ref_logp": logp + far, "kl_coef": 0.1}):
+        x = logp.clone().requires_grad_(True)
+        loss, _, _ = backend.policy_loss(x, old_logp, adv, EPS_LOW, EPS_HIGH, **options)
+        outs.append((loss, torch.autograd.grad(loss.sum(), x)[0]))
+    (plain, plain_grad), (loss, grad) = outs
+    assert loss.isfinite().all() and grad.isfinite().all()
+    x = far.clamp(-10, 10)  # the log-ratio ref - logp, clamped
+    torch.testing.assert_close(loss, plain + 0.1 * (x.exp() - x - 1))
+    torch.testing.assert_close(grad, plain_grad)  # beyond the clamp the KL term is flat
+
+
+def test_policy_loss_entropy_bonus_gradient_reaches_the_hidden_states(backend):
+    """logp and entropy from the fused LM-head op, the bonus in the loss: d hidden equals float64 autograd
+    through logits of  sum loss = sum surrogate(logp) - coef * entropy."""
+    hidden, weight, targets = hidden_weight(9, 32, 1000, torch.float32, seed=6)
+    hidden.requires_grad_(True)
+    logp, entropy = backend.linear_logprobs_entropy(hidden, weight, targets, chunk_size=4)
+    old_logp = logp.detach() + torch.randn(9, device=DEVICE) * 0.2
+    adv = torch.randn(9, device=DEVICE)
+    loss, _, _ = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH, entropy=entropy, entropy_coef=0.5)
+    (grad,) = torch.autograd.grad(loss.sum(), hidden, retain_graph=True)
+
+    hidden64 = hidden.detach().double().requires_grad_(True)
+    logp64, entropy64 = f64_logprobs_entropy(hidden64 @ weight.double().T, targets, 1.0)
+    _, dloss_dlogp, dloss_dentropy, _, _ = f64_policy_loss(logp64, old_logp, adv, entropy=entropy64, entropy_coef=0.5)
+    (grad64,) = torch.autograd.grad((logp64 * dloss_dlogp + entropy64 * dloss_dentropy).sum(), hidden64)
+    assert rel_err(grad, grad64) <= 1e-5
+    (grad_without,) = torch.autograd.grad(backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH)[0].sum(), hidden)
+    assert rel_err(grad, grad_without) > 1e-2  # the bonus does change the gradient
 
 
 def test_policy_loss_kl_to_itself_is_zero(backend):
@@ -257,6 +539,26 @@ def test_policy_loss_rejects_unbroadcast_advantages():
     logp = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="advantages has shape \\[2\\]"):
         kernels.policy_loss(logp, logp, torch.ones(2))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"shaped": torch.ones(2, 5)}, "shaped must be a bool tensor"),
+    ({"seq_ids": torch.zeros(2, 5)}, "seq_ids must be a long tensor"),
+    ({"seq_ids": torch.zeros(10, dtype=torch.long)}, "seq_ids has shape \\[10\\]"),
+    ({"entropy": torch.ones(2, 5, dtype=torch.long), "entropy_coef": 0.1}, "entropy must be a float tensor"),
+    ({"sampler_logp": torch.zeros(5)}, "sampler_logp has shape"),
+    ({"entropy_coef": 0.1}, "entropy_coef=0.1 needs entropy"),
+    ({"tis_cap": 2.0}, "tis_cap=2.0 needs sampler_logp"),
+    ({"kl_coef": 0.1}, "kl_coef=0.1 needs ref_logp"),
+    ({"eps_low": 1.5}, "0 <= eps_low <= 1"),
+    ({"shaped": torch.ones(2, 5, dtype=torch.bool), "shaped_beta": 0.0}, "shaped_beta must be > 0"),
+    ({"sampler_logp": torch.zeros(2, 5), "tis_cap": 0.0}, "tis_cap must be > 0"),
+])
+def test_policy_loss_rejects_bad_options(options, message):
+    logp = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=message) as error:
+        kernels.policy_loss(logp, logp, torch.ones(2, 5), **options)
+    assert "\n" not in str(error.value)
 
 
 # --- Triton itself ---------------------------------------------------------------------------------
@@ -281,13 +583,16 @@ fwd = {"logits_ptr": "*bf16", "targets_ptr": "*i64",
 bwd = {"logits_ptr": "*bf16", "dlogits_ptr": "*bf16", "targets_ptr": "*i64",
        **dict.fromkeys(["grad_logp_ptr", "grad_entropy_ptr", "xmax_ptr", "logz_ptr", "entropy_ptr"], fp32),
        "drow_stride": "i64", **rows}
-loss = {**dict.fromkeys(["logp_ptr", "old_logp_ptr", "adv_ptr", "weights_ptr", "ref_logp_ptr", "loss_ptr",
-                         "dloss_ptr"], fp32),
+loss = {**dict.fromkeys(["logp_ptr", "old_logp_ptr", "adv_ptr", "weights_ptr", "ref_logp_ptr", "entropy_ptr"], fp32),
+        "shaped_ptr": "*i8", "seq_log_ratio_ptr": fp32, "sampler_logp_ptr": fp32, "loss_ptr": fp32, "dloss_ptr": fp32,
         "clipped_low_ptr": "*i8", "clipped_high_ptr": "*i8", "n": "i32",
-        **dict.fromkeys(["ratio_low", "ratio_high", "dual_clip", "kl_coef"], "fp32"),
-        **dict.fromkeys(["HAS_WEIGHTS", "HAS_DUAL", "HAS_REF", "BLOCK"], "constexpr")}
+        **dict.fromkeys(["ratio_low", "ratio_high", "dual_clip", "kl_coef", "entropy_coef", "shaped_beta", "tis_cap",
+                         "kl_max"], "fp32"),
+        **dict.fromkeys(["HAS_WEIGHTS", "HAS_DUAL", "HAS_REF", "HAS_ENTROPY", "HAS_SHAPED", "HAS_SEQ", "HAS_TIS",
+                         "BLOCK"], "constexpr")}
 jobs = [(tk._logprobs_entropy_fwd, fwd, {"BLOCK_V": 8192}), (tk._logprobs_entropy_bwd, bwd, {"BLOCK_V": 8192}),
-        (tk._policy_loss_fwd, loss, {"HAS_WEIGHTS": True, "HAS_DUAL": True, "HAS_REF": True, "BLOCK": 1024})]
+        (tk._policy_loss_fwd, loss, {**dict.fromkeys(["HAS_WEIGHTS", "HAS_DUAL", "HAS_REF", "HAS_ENTROPY", "HAS_SHAPED",
+                                                      "HAS_SEQ", "HAS_TIS"], True), "BLOCK": 1024})]
 for kernel, signature, constexprs in jobs:
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
