@@ -20,7 +20,7 @@ pass gives π_old; with the stored log π_RL it rebuilds each token's behaviour 
 Only the paper's abstract and figure captions are public: the annealing shape, the form of the adapted
 importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are our
 reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
-(as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline).
+(as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ.
 """
 import copy
 import math
@@ -211,11 +211,11 @@ def step_prompts(train, step, n, seed):
 # public: every "our choice" below is ours, made where the paper's text was not available.
 
 def injection_prob(k: int, lam0: float, T: int, schedule: str = "linear") -> float:
-    """λ_k, the chance of taking a critical token from π_RL at step k = 0, 1, ... (experience annealing over
-    T steps, EAPO Fig. 4a). After T steps EAPO is plain on-policy RLVR."""
+    """λ_k, the chance of taking a critical token from π_RL at step k = 0, 1, ... (EAPO's "experience
+    annealing steps T", Fig. 4a). After T steps EAPO is plain on-policy RLVR."""
     if k >= T:
         return 0.0
-    if schedule == "linear":  # our choice: the paper names T but not the shape; linear is the simplest
+    if schedule == "linear":  # our choice: the paper names T but not the shape (or what decays); linear λ
         return lam0 * (1 - k / T)
     if schedule == "cosine":
         return lam0 * 0.5 * (1 + math.cos(math.pi * k / T))
@@ -246,8 +246,8 @@ def speculative_resample(p_old, p_rl, draft, generator=None):
 
 
 def behaviour_logp(old_logp, rl_logp, lam: float, eligible):
-    """log μ_t(a_t), the probability with which each token was actually emitted (EAPO §"adapted importance
-    sampling"). At a critical position of an augmented response the token came from π_old with probability
+    """log μ_t(a_t), the probability with which each token was actually emitted: the denominator of EAPO's
+    "adapted importance sampling" (abstract). At a critical position of an augmented response the token came from π_old with probability
     1 - λ and from π_RL with probability λ, so μ = (1 - λ) π_old + λ π_RL; elsewhere μ = π_old.
     our choice: the coin is folded into the mixture (eligibility is a function of the state, the coin is
     not), which makes ω a smooth function of the token. Log space keeps tiny probabilities finite."""
@@ -274,8 +274,8 @@ def calibrate_tau(entropies, quantile: float) -> float:
 
 
 class PriorMix:
-    """The sampler Companion's mix for the augmented rows (EAPO §"experience-augmented rollout"), one call
-    per generated position. The policy's draw is the draft. Where the position is critical (the policy's
+    """The sampler Companion's mix for the augmented rows (EAPO Fig. 1: π_RL's actions resampled "at critical
+    decision points" of the current policy's rollout), one call per generated position. The policy's draw is the draft. Where the position is critical (the policy's
     entropy at the sampling temperature > τ, strictly) and a coin of probability λ says inject, speculative
     resampling turns it into a draw from π_RL (at the same temperature: our choice, so that π_RL's tokens
     are scored like the policy's). Returns the emitted tokens and per-token extras:
@@ -293,6 +293,7 @@ class PriorMix:
         eligible = entropy > self.tau  # EAPO: resampling threshold τ; strict, so τ = max entropy means never
         coin = torch.rand(len(draft), generator=self.gen, device=draft.device) < self.lam
         injected = eligible & coin
+        # on every row, injected or not: the random stream then does not depend on which rows inject
         spec, rejected = speculative_resample(p_old, p_rl, draft, self.gen)
         tokens = torch.where(injected, spec, draft)
         old_logp = logp_old.gather(-1, tokens[:, None])[:, 0]
@@ -521,7 +522,7 @@ def main(argv=None):
         log.log(0, first)
     tau = cfg.tau if cfg.tau >= 0 else state["extra"]["eapo"]["tau"] if state else None
     if tau is None:  # EAPO's τ is swept per model; we calibrate it on the starting policy (a quantile)
-        problems = dist.shard(step_prompts(train, 1, cfg.prompts_per_step, cfg.seed))
+        problems = step_prompts(train, 1, cfg.prompts_per_step, cfg.seed)  # all of them: one τ on every rank
         with torch.no_grad(), autocast:
             tau = calibrate(rollout, [tok.prompt(format_question(p)) for p in problems], cfg, tok, cfg.seed + 17)
 

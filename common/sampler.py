@@ -15,6 +15,8 @@ One call, in three stages:
               of the first new token. Padding in the middle of a row is fine: positions count real tokens.
   3. decode   one token per live row per step, sampled on the device. The host reads the "done" flags only
               every `check_every` steps, and then drops finished rows from the batch and the cache.
+A `Companion` (a second model, e.g. a prior policy) can go through the same three stages on chosen samples,
+with its own cache, and replace their tokens at each step (EAPO's experience-augmented rollouts).
 
 Log-probs and entropies are those of softmax(logits / temperature) over the full vocabulary, before any
 top-k / top-p truncation: the distribution the trainer recomputes. temperature=0 is greedy (argmax), and
