@@ -45,6 +45,8 @@ MAX_DEPTH = 40  # parser nesting limit: recursion stays far below Python's
 MAX_BITS = 4096  # an exact fraction larger than this falls back to floating point
 MAX_ITEMS = 32  # longest list, set or matrix compared (element matching is quadratic)
 POINTS = 3  # points at which expressions with variables are compared
+MAX_CUES = 4  # `answer is` cues tried, from the last one back
+CUE_SPAN = 200  # characters after a cue where its answer must be
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _TOKEN = re.compile(r"[^\s$]+")  # the argument of `\boxed 5`
@@ -144,8 +146,8 @@ def _result(expr: str) -> str:
 def _after_cue(s: str) -> str | None:
     """The answer after the last `answer is` / `Final answer:` cue, or None when there is none."""
     cues = list(_CUE.finditer(s))
-    for m in reversed(cues):
-        line = s[m.end() :].split("\n", 1)[0].strip().strip("*").strip()
+    for m in reversed(cues[-MAX_CUES:]):
+        line = s[m.end() : m.end() + CUE_SPAN].split("\n", 1)[0].strip().strip("*").strip()
         for open_, close in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
             if line.startswith(open_):
                 inner = line[len(open_) :].split(close, 1)[0].strip()
