@@ -48,13 +48,24 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
         torch.testing.assert_close(ours.float()(ids), hf_logits(hf, ids), atol=0.1, rtol=0.05)
 
 
-def test_hidden_states_then_head_equal_logits(hf_tiny):
-    _, _, folder = hf_tiny
+def test_hidden_states_and_fused_head_match_transformers(hf_tiny):
+    """return_hidden gives the final-norm states: through the LM head by hand (float64) they give transformers'
+    logits. The training path (targets=...) gives log softmax(logits / T) and its entropy at the targets."""
+    _, hf, folder = hf_tiny
     m = Transformer.from_pretrained(folder).eval()
-    ids = torch.randint(0, 256, (2, 12))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2, 12), generator=g)
+    theirs = hf_logits(hf, ids).double()  # [2, 12, 256]
     with torch.no_grad():
-        h = m(ids, return_hidden=True)
-        torch.testing.assert_close(m.lm_head(h), m(ids))
+        hidden = m(ids, return_hidden=True)  # [2, 12, d]
+        assert hidden.shape == (2, 12, m.cfg.hidden_size)
+        torch.testing.assert_close(hidden.double() @ m.lm_head.weight.double().T, theirs, atol=1e-4, rtol=1e-4)
+        targets = torch.randint(0, 256, (2, 12), generator=g)
+        target_mask = torch.rand(2, 12, generator=g) < 0.7
+        logp, entropy = m(ids, targets=targets, target_mask=target_mask, temperature=0.7)
+    logp_all = torch.log_softmax(theirs[target_mask] / 0.7, -1)  # [n, 256]
+    torch.testing.assert_close(logp, logp_all.gather(-1, targets[target_mask][:, None])[:, 0].float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(entropy, -(logp_all.exp() * logp_all).sum(-1).float(), atol=1e-4, rtol=1e-4)
 
 
 def test_left_padding_matches_each_sequence_alone(hf_tiny):
