@@ -2,7 +2,7 @@
 
     score(completion, answer) -> 1.0 if the completion's final answer equals `answer`, else 0.0
 
-    python -m bench.verifier        # accuracy, false accepts and time per call, beside math-verify's
+    python bench/verifier.py        # accuracy, false accepts and time per call, beside math-verify's
 
 1. Extract the final answer from the completion: the last non-empty \\boxed{...} (or \\fbox{...},
    `\\boxed 5`), else the text after the last `####`, else what follows the last explicit cue
@@ -11,16 +11,18 @@
    marker (`#1.`, `[1]`, `2. Next ...`) is not an answer: paying for it would invite reward hacking.
 2. Normalise both sides as text: LaTeX spacing, $ signs, \\text{}-style wrappers, \\left/\\right,
    units, degrees, percent, thousands separators, \\frac/\\sqrt shorthands, `x =` prefixes, ...
-3. Compare, rules first (the fast path, ~0.1 ms): equal strings, or equal plain numbers (integers,
-   decimals, a/b, \\frac{a}{b}, mixed numbers; exact, with a 1e-6 relative tolerance when a decimal
-   is involved). When the rules say no and either side is not a plain number, a small symbolic
-   path decides: both sides are parsed into expression trees (sums, products, powers, roots,
-   \\pi, i, functions, ±) and structures (tuples, intervals, unions, unordered lists and sets,
-   matrices, equations) and evaluated, exactly with fractions where the values are rational and
-   in complex floating point otherwise, at a few fixed points for the variables. Equal at every
-   point is equal: sums in another order, factored forms, other spellings of a surd or of \\pi,
-   complex numbers, solution lists in another order, `1 \\pm \\sqrt2` against its two values.
-   Answers that are words compare as words, ignoring case.
+3. Compare, rules first (the fast path, ~0.2 ms a call): equal strings, or equal plain numbers
+   (integers, decimals, a/b, \\frac{a}{b}, mixed numbers, 2.6\\times10^4; exact, with a 1e-6
+   relative tolerance when a decimal is involved). A plain number only equals a plain number:
+   `3 + 4` or `\\sqrt{49}` against 7 would pay a policy for echoing the question's arithmetic.
+   When neither side is a plain number and the text rules say no, a small symbolic path decides
+   (~1 ms): both sides are parsed into expression trees (sums, products, powers, roots, \\pi, i,
+   functions, ±) and structures (tuples, intervals, unions, unordered lists and sets, matrices,
+   equations) and evaluated, exactly with fractions where the values are rational and in complex
+   floating point otherwise, at a few fixed points for the variables. Equal at every point is
+   equal: sums in another order, factored forms, other spellings of a surd or of \\pi, complex
+   numbers, solution lists in another order, `1 \\pm \\sqrt2` against its two values. Answers
+   that are words compare as words, ignoring case.
 
 Bounded in time on any input, because reward code runs on whatever a policy writes; no signal
 alarms, so it is bounded in threads and under torchrun alike: only the last TAIL characters are
@@ -247,9 +249,12 @@ def _number(s: str) -> Fraction | None:
             if m[2]:  # mixed number: 1\frac{4}{5} = 1 + 4/5
                 value = int(m[2]) + value
             return -value if m[1] else value
-        m = _SCI.match(s) or _POWER_OF_TEN.match(s)
+        m = _SCI.match(s)
         if m:
-            return Fraction(m[1] + "1" if m[1] in ("", "-") else m[1]) * Fraction(10) ** int(m[2] or m[3])
+            return Fraction(m[1]) * Fraction(10) ** int(m[2] or m[3])
+        m = _POWER_OF_TEN.match(s)
+        if m:
+            return (-1 if m[1] else 1) * Fraction(10) ** int(m[2])
     except (ValueError, ZeroDivisionError):
         pass
     return None
