@@ -1,39 +1,215 @@
-"""ExGRPO: learning to reason from the policy's own successful experience (arXiv 2510.02245).
+"""ExGRPO: learning to reason from experience (arXiv 2510.02245). GRPO in its Dr. GRPO form, plus a replay buffer
+of the policy's own successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
 
-(The training loop is added once grpo.py's new skeleton lands; the ExGRPO parts are below.)
+    python exgrpo.py                                 # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
+    python exgrpo.py --steps 2 --run-name smoke      # any option: python exgrpo.py --help
+    python exgrpo.py --run-name NAME --resume        # continue a run from its last checkpoint (buffer included)
+    torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task math500 ...   # see README
+
+One step (ExGRPO §4, Alg. 1): once the batch accuracy has passed a threshold (the delayed start), every correct
+rollout of a partially solved question goes into the buffer with the trainer's log-probs at collection time.
+Each step then fills up to ρB of its B questions from the buffer: a question is drawn by its latest success count
+k (a Gaussian preference for k = K/2), and its stored trajectory with the lowest mean token entropy under the
+current policy is replayed as one member of a group of K whose other K - 1 members are fresh samples. Fresh tokens
+get the plain ratio objective (unclipped once replay has started), replayed tokens -A f(w) with w the ratio to the
+collecting policy and f(w) = w / (w + β) (§4.2, eq. 4). Questions solved by all K rollouts are retired for good.
+Host (§3.1, App. D): Dr. GRPO advantages (r - group mean), a constant normaliser, no KL, an entropy bonus of 0.001.
+
+Under torchrun each rank owns the questions whose index is its rank modulo the world size: it draws its fresh
+questions from them only, and keeps their buffer, buckets and retired set; nothing about the buffer crosses ranks.
+
+Left out on purpose: the paper's dataset, prompt template and Math-Verify reward (we keep the project's tasks and
+verifier), re-adding retired questions (an ablation, App. E), and the `linear_clip` bucket weighting of the
+authors' code. GRPO options (clip-higher, KL, GSPO, TIS) still work but are not part of ExGRPO.
 """
+import copy
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from pathlib import Path
 
 import torch
 
+from common import checkpoint, dist
+from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
+from common.config import RunError, check, main_guard, parse
+from common.evaluate import evaluate
+from common.logger import MetricsLog
+from common.model import Transformer, compute_dtype
+from common.sampler import Sample, generate
+from common.tasks import format_question, load_task
+from common.tokenizer import Tokenizer
+from common.verifier import extract_answer, score
+from kernels import policy_loss
 
-# ----------------------------------------------------------------------------- the experience buffer
+
+@dataclass
+class Config:
+    # run
+    run_name: str = ""  # writes runs/<run-name>/; empty = exgrpo-<date-time>
+    resume: bool = False  # continue runs/<run-name>/ from its last checkpoint
+    seed: int = 0  # seeds data order, sampling and init; same seed on CPU = same run
+    device: str = "auto"  # auto (cuda if available), cpu or cuda
+    dtype: str = "auto"  # matmul dtype: auto (bf16 on GPUs and CPUs with bf16 units, else float32), float32, bfloat16
+    # model and data
+    model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
+    task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
+    train_size: int = 40  # problems generated for arith (ignored for data files); small, so questions come back
+    # rollouts
+    steps: int = 15  # training steps
+    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    group_size: int = 8  # G: completions per prompt
+    max_new_tokens: int = 96  # L_max: completion budget in tokens
+    temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
+    top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
+    format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
+    # advantages and loss
+    adv_norm: str = "none"  # std (GRPO) or none (Dr. GRPO, as ExGRPO §3.1): divide group-centred rewards by their std?
+    loss_agg: str = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO)
+    eps_low: float = 0.2  # clip ratio below 1 - eps_low, until replay starts (then fresh tokens are unclipped)
+    eps_high: float = 0.2  # clip ratio above 1 + eps_high, until replay starts (ExGRPO's code clips to [0.8, 1.2])
+    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
+    kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
+    entropy_coef: float = 0.001  # entropy bonus: the loss subtracts this times the token entropy (ExGRPO App. D)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    epochs: int = 1  # μ: passes over each batch of rollouts
+    mini_batches: int = 1  # M: optimizer steps per epoch
+    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    # experience replay (ExGRPO §4)
+    replay_ratio: float = 0.5  # ρ: up to ⌊ρB⌋ of each step's B questions come from the buffer (0 = never replay)
+    # our choice: 0.1, not the paper's 0.35 (set for 7B models): SmolLM2 starts near 0.06 batch accuracy at T = 0.8
+    # on arith, so 0.1 waits for the first sign of learning and still leaves most of a 15-step run to replay
+    start_acc: float = 0.1  # delayed start: replay begins after a step whose batch accuracy is above this (< 0: at once)
+    bucket_weighting: str = "normal"  # preferred success counts k: normal (in k), normal-acc (in k/K), linear, sqrt, uniform
+    bucket_sigma: float = 1.0  # σ of the normal weightings (success-count units; accuracy units for normal-acc)
+    trajectory_score: str = "mean"  # replay the stored trajectory of lowest mean (or sum) token entropy at T = 1
+    # optimizer
+    lr: float = 3e-5  # AdamW learning rate after warm-up
+    warmup_steps: int = 3  # linear warm-up from 0
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.99  # AdamW β2
+    max_grad_norm: float = 1.0  # gradient clipping
+    skip_grad_norm: float = 500.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
+    max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
+    # evaluation and checkpoints
+    eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
+    eval_size: int = 100  # held-out problems per evaluation
+    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    save_every: int = 15  # checkpoint every N steps (and after the last)
+
+    choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+               "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
+               "bucket_weighting": ["normal", "normal-acc", "linear", "sqrt", "uniform"], "trajectory_score": ["mean", "sum"]}
+
+
+# Options a resumed run must share with the run it continues: they fix the data order and the model.
+RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model", "group_size")
+
+
+def validate(cfg: Config):
+    """Refuse impossible options before anything is loaded or written."""
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
+                 "eval_every", "save_every", "train_size", "max_skipped"):
+        check(getattr(cfg, name) > 0, name, "a positive integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
+    check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
+    check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
+    check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
+    check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
+    check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
+          "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
+    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
+    check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
+    # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
+          "at most the completions per step on each rank (prompts_per_step / world * group_size)")
+    check(0 <= cfg.replay_ratio <= 1, "replay_ratio", "a share of the batch in [0, 1]")
+    check(cfg.bucket_sigma > 0, "bucket_sigma", "a positive number")
+    # retired (all-correct) and all-wrong groups are part of the buffer's bookkeeping: every group must be seen
+    check(not cfg.dynamic_sampling, "dynamic_sampling", "off (ExGRPO keeps every group)")
+
+
+def check_resume(cfg: Config, saved: dict):
+    """A resumed run must see the data and model the checkpoint was trained on."""
+    for name in RESUME_FIXED:
+        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+
+
+def check_context(model, tok, problems, cfg):
+    """Prompt + completion must fit the model's positions; say so before anything is written."""
+    longest = max(len(tok.prompt(format_question(p))) for p in problems)
+    limit = model.cfg.max_position_embeddings
+    check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
+          f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
+
+
+# ----------------------------------------------------------------------------- rewards -> advantages
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
+    """rewards [N], group ids [N] -> advantages [N] relative to each completion's group (GRPO, DeepSeekMath
+    §4.1.2). Groups may differ in size; a group of one has advantage 0."""
+    n = int(group.max()) + 1 if len(group) else 0
+    count = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, rewards.double()) / count.clamp(min=1)
+    centred = rewards.double() - mean[group]
+    if norm == "none":  # Dr. GRPO §3.1: the std division re-weights groups by difficulty; leave it out
+        return centred.float()
+    # unbiased std, as DeepSeekMath's reference; a group of one has centred = 0, so 0 / (0 + 1e-6) = 0
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, group, centred ** 2) / (count - 1).clamp(min=1)
+    return (centred / (var.sqrt()[group] + 1e-6)).float()
+
+
+def boxed(text: str) -> bool:
+    """The optional format term: the completion uses \\boxed and an answer can be read from it."""
+    return "\\boxed" in text and extract_answer(text) is not None
+
+
+def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+    """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
+    from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
+    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    if agg == "token-mean":  # DAPO §3.3: every token counts the same
+        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+    elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
+        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
+        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(lengths)
+
+
+# ----------------------------------------------------------------------------- ExGRPO: the experience buffer
 
 @dataclass
 class Trajectory:
     tokens: tuple  # the completion's token ids, the stop token included (replayed verbatim)
-    logp: torch.Tensor  # [len(tokens)] fp32: log π_θold of each token, the trainer's forward at collection time
+    logp: torch.Tensor  # [len(tokens)] fp32 log π_θold of each token: the trainer's scoring pass when collected
 
 
 class Experience:
-    """ExGRPO §4.1: the replay buffer E (question id -> its distinct correct trajectories), the bucket label of
-    each question (its latest group success count k), and the retired set S (questions solved by every rollout).
-
-    Trajectories are kept as token ids with the log-probs the trainer computed when they were collected, so a
-    replayed completion is exactly what was sampled and its importance weight has the right denominator.
-    # our choice: token ids, not decoded text (re-tokenising text need not give back the same tokens)."""
+    """ExGRPO §4.1: the replay buffer E (question id -> its distinct correct trajectories), the bucket label of each
+    question (the success count k of its latest collected group) and the retired set S (questions all K rollouts
+    solved). Trajectories are token ids with the trainer's log-probs at collection time, the denominator of the
+    replayed tokens' importance ratio. # our choice: token ids, not text (re-tokenising need not give them back)."""
 
     def __init__(self, group_size: int):
         self.K = group_size
         self.pool: dict[int, list[Trajectory]] = {}  # E
-        self.bucket: dict[int, int] = {}  # question id -> success count k of its latest collected group
+        self.bucket: dict[int, int] = {}  # question id -> k of its latest collected group
         self.retired: set[int] = set()  # S
 
-    def record(self, qid: int, correct: list[bool], completions: list, logps: list, collect: bool):
-        """One group's outcome (Alg. 1 l.25-32): all K correct retires the question (from step 1 on);
-        with `collect` (after the delayed start), 0 < k < K stores each correct completion not stored yet
-        and sets the bucket label. All-wrong groups store nothing and keep their old label (and are not retired)."""
+    def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool):
+        """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
+        (once the delayed start has fired), 0 < k < K stores each correct completion not stored yet and labels the
+        question k. All-wrong groups store nothing, keep their old label and are not retired."""
         k = sum(bool(c) for c in correct)
         if k == self.K:
             self.retired.add(qid)
@@ -45,23 +221,23 @@ class Experience:
         seen = {t.tokens for t in stored}
         for ok, tokens, logp in zip(correct, completions, logps):
             tokens = tuple(tokens)
-            if ok and tokens not in seen:  # de-duplicated by exact token content
+            if ok and tokens not in seen:  # de-duplicated by exact content
                 assert len(logp) == len(tokens), "one collection-time log-prob per token"
                 stored.append(Trajectory(tokens, logp.detach().float().cpu().clone()))
                 seen.add(tokens)
 
     def purge(self):
-        """After each step: retired questions leave the buffer and the buckets (Alg. 1 l.32)."""
+        """After each step, retired questions leave the buffer and the buckets (Alg. 1 l.32)."""
         for qid in self.retired:
             self.pool.pop(qid, None)
             self.bucket.pop(qid, None)
 
     def valid(self) -> list[int]:
-        """E_valid: questions that can be replayed (not retired, at least one stored trajectory), sorted."""
+        """E_valid: the questions that can be replayed (not retired, at least one stored trajectory), sorted."""
         return sorted(q for q, ts in self.pool.items() if ts and q not in self.retired and q in self.bucket)
 
     def buckets(self) -> dict[int, list[int]]:
-        """k -> the valid question ids labelled k (k = 1 .. K-1)."""
+        """k -> the valid question ids labelled k, for k = 1 .. K-1."""
         out = {k: [] for k in range(1, self.K)}
         for q in self.valid():
             out[self.bucket[q]].append(q)
@@ -80,43 +256,36 @@ class Experience:
         self.retired = set(int(q) for q in state["retired"])
 
 
-# ----------------------------------------------------------------------------- which questions to replay
+# ----------------------------------------------------------------------------- ExGRPO: which questions to replay
 
 def bucket_weights(K: int, method: str = "normal", sigma: float = 1.0) -> torch.Tensor:
-    """Unnormalised preference w_k for the buckets k = 1 .. K-1 (ExGRPO §4.1, Alg. 2), [K-1] float64.
-
-    normal:     N(k; K/2, σ) in success-count units, as the authors' code does (σ = 1 puts ~40% on k = K/2)
-    normal-acc: N(k/K; 0.5, σ) in accuracy units, as the paper's formula reads (σ = 1 is nearly uniform)
-    linear, sqrt: k/K and sqrt(k/K) (prefer easier questions); uniform: every bucket alike."""
+    """Unnormalised preference w_k of the buckets k = 1 .. K-1 (ExGRPO §4.1), [K-1] float64.
+    normal: N(k; K/2, σ) in success-count units, as the authors' code (σ = 1 puts 40% on k = K/2 when K = 8);
+    normal-acc: N(k/K; 0.5, σ) in accuracy units, as the paper's formula reads (σ = 1 is nearly uniform);
+    linear, sqrt: k/K and sqrt(k/K); uniform: all alike."""
     k = torch.arange(1, K, dtype=torch.float64)
-    if method == "normal":
-        return torch.exp(-0.5 * ((k - K / 2) / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
-    if method == "normal-acc":
-        return torch.exp(-0.5 * ((k / K - 0.5) / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
-    if method == "linear":
-        return k / K
-    if method == "sqrt":
-        return (k / K).sqrt()
-    if method == "uniform":
-        return torch.ones_like(k)
-    raise ValueError(f"bucket_weights: unknown method {method!r}")
+    # our choice: count units by default; the paper's text and the authors' code disagree, the results come from the code
+    if method in ("normal", "normal-acc"):
+        x = (k - K / 2) if method == "normal" else (k / K - 0.5)
+        return torch.exp(-0.5 * (x / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
+    return {"linear": k / K, "sqrt": (k / K).sqrt(), "uniform": torch.ones_like(k)}[method]
 
 
-def bucket_probs(weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """p_k = w_k / Σ_{non-empty k'} w_k' and 0 for an empty bucket. weights, sizes: [K-1]."""
+def bucket_probs(weights: torch.Tensor, sizes: list) -> torch.Tensor:
+    """p_k = w_k / Σ over non-empty buckets k' of w_k', and 0 for an empty bucket. weights, sizes: [K-1]."""
     w = weights * (torch.tensor(sizes) > 0)
     return w / w.sum() if w.sum() > 0 else w
 
 
 def replay_count(rho: float, B: int, n_valid: int) -> int:
     """n = min(⌊ρB⌋, |E_valid|) replayed questions in a batch of B (ExGRPO §4.2); the other B - n are fresh."""
-    return min(math.floor(rho * B + 1e-9), n_valid)  # the epsilon: 0.3 * 10 is 2.9999999999999996 in floats
+    return min(math.floor(rho * B + 1e-9), n_valid)  # + 1e-9: 0.3 * 10 is 2.9999999999999996 in floats
 
 
-def bucket_sample(buckets: dict[int, list[int]], n: int, weights: torch.Tensor, gen: torch.Generator) -> list[int]:
-    """n distinct question ids (ExGRPO Alg. 2): bucket counts c ~ Multinomial(n, p); a bucket asked for more
-    than it holds gives its overflow back one unit at a time to the buckets with room left, chosen ∝ p among
-    them; then c_k ids are drawn uniformly without replacement inside bucket k."""
+def bucket_sample(buckets: dict, n: int, weights: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """n distinct question ids (ExGRPO §4.1): bucket counts c ~ Multinomial(n, p); a bucket asked for more than it
+    holds hands the overflow, one unit at a time, to the buckets with room left, chosen ∝ p among them (as the
+    authors' sampler does); then c_k ids uniformly without replacement from bucket k."""
     ks = sorted(buckets)
     sizes = [len(buckets[k]) for k in ks]
     n = min(n, sum(sizes))
@@ -129,82 +298,59 @@ def bucket_sample(buckets: dict[int, list[int]], n: int, weights: torch.Tensor, 
     for _ in range(overflow):
         room = torch.tensor([c < s for c, s in zip(counts, sizes)])
         q = p * room
-        # our choice: if every bucket with room has weight 0 in float64 (a far Gaussian tail), fall back to uniform
-        q = q if q.sum() > 0 else room.double()
+        q = q if q.sum() > 0 else room.double()  # our choice: uniform if p underflowed to 0 on every bucket with room
         counts[int(torch.multinomial(q, 1, generator=gen))] += 1
     ids = []
     for k, c in zip(ks, counts):
-        pick = torch.randperm(len(buckets[k]), generator=gen)[:c].tolist()
-        ids += [buckets[k][i] for i in pick]
+        ids += [buckets[k][int(i)] for i in torch.randperm(len(buckets[k]), generator=gen)[:c]]
     return ids
 
 
-# ----------------------------------------------------------------------------- which trajectory to replay
+# ----------------------------------------------------------------------------- ExGRPO: which trajectory to replay
 
-@torch.no_grad()
-def trajectory_scores(model, prompts: list, candidates: list, pad_id: int, micro_batch: int, how: str = "mean"):
-    """Mean token entropy H̄(o) = (1/|o|) Σ_t H(π_θ(·|q, o_<t)) of each candidate under the current policy at
-    T = 1 (ExGRPO §3.2), over the completion tokens only. how="sum": Σ_t H instead (no length division).
-    prompts[i]: the prompt of candidate i (token ids); candidates[i]: its completion. Returns [len(candidates)]."""
-    out = []
-    for s in range(0, len(candidates), micro_batch):
-        ps, cs = prompts[s:s + micro_batch], candidates[s:s + micro_batch]
-        ids, mask = pad_batch(ps, cs, pad_id)
-        dev = next(model.parameters()).device
-        _, entropy = model(ids[:, :-1].to(dev), targets=ids[:, 1:].to(dev), target_mask=mask.to(dev), temperature=1.0)
-        for h in entropy.float().cpu().split([len(c) for c in cs]):
-            out.append(h.sum() / (len(h) if how == "mean" else 1))
-    return torch.stack(out) if out else torch.zeros(0)
-
-
-def select_trajectories(model, exp: Experience, qids: list[int], prompts: list, pad_id: int, micro_batch: int,
+def select_trajectories(model, exp: Experience, qids: list, contexts: list, micro_batch, pad_id, device, autocast,
                         how: str = "mean") -> list[Trajectory]:
-    """For each drawn question, o* = the stored trajectory with the lowest H̄ under the current policy
-    (ExGRPO §3.2, §4.1), recomputed every time the question is drawn. prompts[j]: question qids[j]'s prompt."""
+    """For each drawn question, o* = its stored trajectory of lowest mean token entropy under the current policy at
+    T = 1, H̄(o) = (1/|o|) Σ_t H(π_θ(·|q, o_<t)) over the completion tokens (ExGRPO §3.2, §4.1), recomputed each
+    time the question is drawn. how="sum": Σ_t H (no length division). contexts[j]: question qids[j]'s prompt."""
     cands = [(j, t) for j, q in enumerate(qids) for t in exp.pool[q]]
-    scores = trajectory_scores(model, [prompts[j] for j, _ in cands], [list(t.tokens) for _, t in cands],
-                               pad_id, micro_batch, how)
-    best: dict[int, tuple] = {}
-    for (j, t), h in zip(cands, scores.tolist()):
-        if j not in best or h < best[j][0]:  # ties: the earlier-stored trajectory
+    if not cands:
+        return []
+    b = Batch(context=[contexts[j] for j, _ in cands], tokens=[list(t.tokens) for _, t in cands],
+              group=torch.arange(len(cands)), skip=torch.zeros(len(cands), dtype=torch.long),
+              sampler_logp=torch.cat([t.logp for _, t in cands]), finished=torch.ones(len(cands), dtype=torch.bool),
+              answer=[None] * len(cands))
+    _, entropy = trainer_logprobs(model, b, micro_batch, 1.0, pad_id, device, autocast)
+    scores = [h.mean() if how == "mean" else h.sum() for h in entropy.split(b.lengths.tolist())]
+    best = {}
+    for (j, t), h in zip(cands, scores):
+        if j not in best or h < best[j][0]:  # a tie keeps the earlier-stored trajectory
             best[j] = (h, t)
     return [best[j][1] for j in range(len(qids))]
 
 
-def pad_batch(prompts, completions, pad_id):
-    """Right-padded prompt+completion ids [N, T] and the mask [N, T-1] of positions predicting a completion token."""
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, : len(p) + len(c)] = torch.tensor(list(p) + list(c))
-        mask[i, len(p) - 1: len(p) - 1 + len(c)] = True
-    return ids, mask
+def with_replayed(groups: list, replayed: list, stop_ids) -> list:
+    """Mixed groups (ExGRPO §4.2): the replayed trajectory of question j joins its K - 1 fresh samples, first. Its
+    'sampler' log-probs are the stored collection-time ones: they become π_old of its tokens."""
+    return [([Sample(tokens=list(t.tokens), logprobs=t.logp, entropies=torch.zeros(len(t.tokens)),
+                     finished=t.tokens[-1] in stop_ids)] if j < len(replayed) else []) + g
+            for j, (g, t) in enumerate(zip(groups, replayed + [None] * (len(groups) - len(replayed))))]
 
-
-# ----------------------------------------------------------------------------- when replay starts
 
 def delayed_start(mixed: bool, batch_acc: float, threshold: float) -> bool:
-    """ExGRPO §4.2: mixed-policy training switches on after the first step whose batch accuracy (mean reward
-    over all B·K rollouts) is strictly above the threshold, and never switches back."""
+    """ExGRPO §4.2: mixed-policy training begins after the first step whose batch accuracy (the mean reward over
+    all B·K rollouts) is strictly above the threshold, and never stops."""
     return mixed or batch_acc > threshold
 
 
-def shaping(w: torch.Tensor, beta: float) -> torch.Tensor:
-    """f(w) = w / (w + β): the replayed tokens' importance weight, reshaped (ExGRPO §4.2, eq. 4)."""
-    return w / (w + beta)
-
-
-# ----------------------------------------------------------------------------- fresh questions
+# ----------------------------------------------------------------------------- ExGRPO: the fresh questions
 
 class QuestionStream:
-    """The fresh questions, B per step, walking a seeded permutation of the training set each epoch. At each
-    epoch start the retired questions leave it, unless fewer than B + 20 questions would remain (as in the
-    authors' sampler). Without retirement it is grpo.py's step_prompts exactly.
-    state: (epoch, this epoch's order, position), saved in the checkpoint."""
+    """This rank's fresh questions, B per step: a seeded permutation of its question ids each epoch. At each epoch
+    start the retired questions leave it, unless B + 20 or fewer would remain (as in the authors' sampler). Without
+    retirement (and on one process) it gives grpo.py's step_prompts exactly. Its position goes in the checkpoint."""
 
-    def __init__(self, ids: list[int], B: int, seed: int):
+    def __init__(self, ids: list, B: int, seed: int):
         self.ids, self.B, self.seed = list(ids), B, seed
         self.epoch, self.order, self.pos = -1, [], 0
 
@@ -229,3 +375,309 @@ class QuestionStream:
 
     def load_state_dict(self, s: dict):
         self.epoch, self.order, self.pos = s["epoch"], list(s["order"]), s["pos"]
+
+
+def gather(obj) -> list:
+    """Every rank's obj, in rank order (the buffer is per rank; rank 0 writes them all into the checkpoint)."""
+    if not dist.is_distributed():
+        return [obj]
+    out = [None] * dist.world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ update
+
+def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
+           loss_kw=None):
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
+    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
+    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    N, lengths = len(b.tokens), b.lengths
+    n_train = lengths - b.skip  # loss tokens per completion
+    tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
+    mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
+    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+                           "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
+                           "skipped_since_last_step"], 0.0)
+    for epoch in range(cfg.epochs if N else 0):
+        for idx in mini:
+            # the aggregation's totals over the whole mini-batch, summed over ranks
+            n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
+                                                                 float(n_train[idx].sum())])).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            micro = [idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
+            for j, mb in enumerate(micro):
+                w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
+                with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
+                    # log π_θ of the loss tokens of completions mb, and their positions tok in the flat [n_tok] arrays
+                    logp, entropy, tok = completion_logprobs(policy, b, mb, cfg.temperature, pad_id, device)
+                    extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                    if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
+                        extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
+                    if cfg.tis_cap:
+                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                    old = logp.detach() if old_logp is None else old_logp[tok].to(device)
+                    ref = None if ref_logp is None else ref_logp[tok].to(device)
+                    loss_tok, clip_low, clip_high = policy_loss(
+                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
+                    ((loss_tok * w.to(device)).sum() * dist.world()).backward()
+                with torch.no_grad():  # diagnostics
+                    log_ratio = logp.detach() - old
+                    stats["tokens"] += len(logp)
+                    stats["clip_low"] += clip_low.float().sum().item()
+                    stats["clip_high"] += clip_high.float().sum().item()
+                    stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
+                    stats["entropy"] += entropy.detach().sum().item()
+                    if ref is not None:
+                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if epoch == 0:
+                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
+                        stats["mismatch_tokens"] += len(old)
+            skipped = optimizer_step(model, optimizer, cfg, stats)
+            stats["skipped"] += skipped
+            stats["skipped_since_last_step"] = stats["skipped_since_last_step"] + 1 if skipped else 0
+    return stats
+
+
+def optimizer_step(model, optimizer, cfg, stats) -> bool:
+    """Clip and step; a non-finite gradient norm (or one above --skip-grad-norm) skips the step instead.
+    The norm is of the all-reduced gradient, so every rank decides the same. Returns True if skipped."""
+    grad_norm = float(dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+    stats["last_grad_norm"] = grad_norm
+    if not math.isfinite(grad_norm) or (cfg.skip_grad_norm > 0 and grad_norm > cfg.skip_grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return True
+    optimizer.step()
+    stats["grad_norm"] += grad_norm
+    stats["grad_norm_max"] = max(stats["grad_norm_max"], grad_norm)
+    stats["opt_steps"] += 1
+    return False
+
+
+def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+    """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
+    lengths, seen = b.lengths.float(), max(stats["tokens"], 1)
+    t0, t_sample, t_score, t_train = times
+    return {
+        "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
+        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
+        "response/truncated": (~b.finished).float().mean().item(),
+        "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,
+        "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
+        "policy/ref_kl": stats["ref_kl"] / seen,
+        "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
+        "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
+        "optim/skipped_steps": stats["skipped"],
+        "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
+        "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
+        "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
+        "perf/step_s": t_train - t0,
+    }
+
+
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
+
+
+def exgrpo_metrics(exp: Experience, n, B, mixed, logp, stored_logp) -> dict:
+    """The buffer's state after the step, this step's replay share, the mixed-phase flag, and the replayed tokens'
+    ratio w* = π_θ / π_past at the start of the update with its shaped value f(w*) (summed over ranks first)."""
+    w = (logp - stored_logp).exp()  # [replayed tokens]
+    w_sum, f_sum, count = dist.all_reduce_sum(torch.tensor([w.sum().item(), (w / (w + 0.1)).sum().item(), len(w)])).tolist()
+    out = {"exgrpo/buffer_questions": len(exp.valid()), "exgrpo/buffer_trajectories": exp.n_trajectories(),
+           "exgrpo/retired": len(exp.retired), "exgrpo/replay_share": n / B, "exgrpo/mixed": float(mixed),
+           **{f"exgrpo/bucket_{k}": len(ids) for k, ids in exp.buckets().items()}}
+    if count:
+        out.update({"exgrpo/w_mean": w_sum / count, "exgrpo/f_w_mean": f_sum / count})
+    return out
+
+
+EXGRPO_SUMS = ("exgrpo/buffer_questions", "exgrpo/buffer_trajectories", "exgrpo/retired")  # and exgrpo/bucket_k
+
+
+# ---------------------------------------------------------------------------------------- main loop
+
+def main(argv=None):
+    cfg = parse(Config, argv)
+    device = dist.setup(cfg.device)
+    validate(cfg)
+    cfg.run_name = cfg.run_name or datetime.now().strftime("exgrpo-%Y%m%d-%H%M%S")
+    run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
+    ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
+    check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
+    check(cfg.resume or not (run_dir / "metrics.jsonl").exists(), "run_name",
+          f"a new name: {run_dir} already holds a run (add --resume to continue it)")
+    state = checkpoint.load_trainer_state(ckpt) if ckpt else None
+    if state is not None:
+        check_resume(cfg, state["extra"].get("config", {}))
+        check(len(state["extra"]["exgrpo"]) == dist.world(), "resume", f"{len(state['extra']['exgrpo'])} processes, "
+              "as in the run being resumed (each keeps the buffer of its own questions)")
+    torch.manual_seed(cfg.seed)
+
+    # data first: a bad task or data line fails before the model is loaded
+    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=cfg.seed)[: cfg.eval_size]
+    tok = Tokenizer.from_pretrained(cfg.model)
+    dtype = compute_dtype(device, cfg.dtype)
+    model = Transformer.from_pretrained(ckpt or cfg.model, device=device)  # fp32 master weights
+    check_context(model, tok, train + held_out, cfg)
+    model.gradient_checkpointing = cfg.grad_checkpointing
+    ref_model = None
+    if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
+        ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
+    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
+    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
+    rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
+    policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (warm-up, then constant)
+    start_step = state["step"] if state else 0
+    if state is not None:
+        dist.load_optimizer_state(model, optimizer, state["optimizer"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    if start_step:  # LambdaLR with last_epoch does not set the lr itself
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
+    # ExGRPO's state: this rank's questions (index = rank mod world), their buffer, and whether replay has begun
+    exp, stream = Experience(G), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
+    mixed = cfg.start_acc < 0  # our choice: a negative threshold mixes from step 1 (the paper's Llama-3.1-8B base run)
+    if state is not None:
+        mine = state["extra"]["exgrpo"][dist.rank()]
+        exp.load_state_dict(mine["buffer"])
+        stream.load_state_dict(mine["stream"])
+        mixed = mine["mixed"]
+    weights = bucket_weights(G, cfg.bucket_weighting, cfg.bucket_sigma)
+    if start_step == 0:
+        with autocast:
+            first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+        first_acc = first["eval/greedy_acc"]
+        log.log(0, first)
+
+    for step in range(start_step + 1, cfg.steps + 1):
+        # ---- 1. sample: n questions from the buffer (1 replayed + G - 1 fresh samples each), B - n fresh (G each)
+        t0 = time.time()
+        fresh = stream.next(exp.retired)  # B ids; those beyond B - n are dropped this step (as the authors' loader)
+        n = replay_count(cfg.replay_ratio, B, len(exp.valid())) if mixed else 0
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + dist.rank())
+        qids = bucket_sample(exp.buckets(), n, weights, gen) + fresh[:B - n]
+        problems = [train[q] for q in qids]
+        contexts = [tok.prompt(format_question(p)) for p in problems]
+        replayed = select_trajectories(rollout, exp, qids[:n], contexts, cfg.micro_batch, tok.pad_id, device, autocast,
+                                       cfg.trajectory_score)
+        with torch.no_grad(), autocast:
+            groups = generate(rollout, contexts, n=[G - 1] * n + [G] * (B - n), max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids,
+                              seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
+        b = to_batch(contexts, with_replayed(groups, replayed, tok.stop_ids), [p.answer for p in problems], range(B))
+        is_replay = torch.tensor([j < n and i == 0 for j in range(B) for i in range(G)])  # [N]
+        t_sample = time.time()
+
+        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
+        texts = [tok.decode(t, skip_special=True) for t in b.tokens]
+        correct = torch.tensor([score(t, a) for t, a in zip(texts, b.answer)])  # [N]
+        rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
+        n_groups = int(b.group.max()) + 1
+        group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, b.group, rewards, "amax")
+        group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, b.group, rewards, "amin")
+        zero_var = group_max == group_min  # [groups]
+        keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        b_all, correct_all, rewards_all = b, correct, rewards
+        b, rewards = b.select(keep), rewards[keep]
+
+        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). ExGRPO always runs
+        # it: they are what the buffer stores (§4.1); replayed tokens take their stored log-probs as π_old (§4.2)
+        ref_logp = None
+        scored_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        shaped = is_replay.repeat_interleave(b.lengths)  # [n_tok]
+        old_logp = torch.where(shaped, b.sampler_logp, scored_logp)
+        tok_logps = scored_logp.split(b.lengths.tolist())
+        for j, q in enumerate(qids):  # retire all-correct questions; collect once the delayed start has fired
+            rows = range(j * G, (j + 1) * G)
+            exp.record(q, [bool(correct[i]) for i in rows], [b.tokens[i] for i in rows], [tok_logps[i] for i in rows],
+                       collect=mixed)
+        if ref_model is not None:
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        t_score = time.time()
+
+        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
+        adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
+
+        # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler.
+        # Replayed tokens: -A f(w), f(w) = w / (w + 0.1), never clipped (kernels.policy_loss `shaped`, ExGRPO eq. 4);
+        # fresh tokens: unclipped once mixed training has begun (App. D), clipped before it (the authors' code)
+        update_cfg = replace(cfg, eps_low=1.0, eps_high=math.inf) if mixed else cfg
+        stats = update(policy, model, optimizer, b, adv, update_cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
+                       loss_kw={"shaped": shaped} if n else None)
+        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
+            raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
+                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
+                           f"in {ckpt_dir} is intact")
+        scheduler.step()
+        dist.sync_rollout(model, rollout)
+        exp.purge()
+        correct_sum, rollouts = dist.all_reduce_sum(torch.tensor([correct_all.sum().item(), len(correct_all)])).tolist()
+        was_mixed, mixed = mixed, delayed_start(mixed, correct_sum / rollouts, cfg.start_acc)  # batch over all ranks
+        t_train = time.time()
+
+        # ---- 6. log, evaluate, save
+        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
+                               if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
+        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        metrics.update(exgrpo_metrics(exp, n, B, was_mixed, scored_logp[shaped], old_logp[shaped]))
+        sums = METRIC_SUMS + EXGRPO_SUMS + tuple(k for k in metrics if k.startswith("exgrpo/bucket_"))
+        log.log(step, dist.reduce_metrics(metrics, sums=sums, maxes=METRIC_MAXES))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with autocast:
+                last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+            log.log(step, last)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save(model, optimizer, ckpt_dir, step, cfg, extra={"exgrpo": gather(
+                {"buffer": exp.state_dict(), "stream": stream.state_dict(), "mixed": mixed})})
+
+    if dist.is_main() and cfg.steps > start_step:
+        before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
+        print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
+              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
+    dist.cleanup()
+
+
+def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
+    """fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them), written
+    atomically; never from non-finite weights, which would replace the last good checkpoint with garbage."""
+    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
+    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
+        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
+                       "is intact (rerun with --resume and a lower --lr)")
+    if dist.is_main():
+        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
+                        extra={"config": asdict(cfg), **(extra or {})})
+    dist.barrier()
+
+
+def _model_dir(name):
+    from common.hub import resolve_model_dir
+    return resolve_model_dir(name)
+
+
+def _minutes(seconds):
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -182,40 +182,37 @@ class ToyLM(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(table)
 
-    def forward(self, ids, targets, target_mask, temperature):
+    def forward(self, ids, targets, target_mask, temperature, **attention):
         from kernels import logprobs_entropy
-        logits = self.table[ids] / 1.0
-        return logprobs_entropy(logits[target_mask], targets[target_mask], temperature)
+        return logprobs_entropy(self.table[ids][target_mask], targets[target_mask], temperature)
+
+
+def select(model, exp, qids, contexts, how="mean"):
+    no_autocast = torch.autocast("cpu", enabled=False)
+    return exgrpo.select_trajectories(model, exp, qids, contexts, 2, 0, torch.device("cpu"), no_autocast, how)
 
 
 def test_selection_picks_lowest_mean_entropy():
     V = 6
-    table = torch.zeros(V, V)  # token 0..2: uniform next-token distribution (entropy log 6)
-    table[3, 4] = table[4, 5] = table[5, 3] = 30.0  # tokens 3, 4, 5: nearly deterministic successors
+    table = torch.zeros(V, V)  # after tokens 0..2: a uniform next token (entropy log 6)
+    table[3, 4] = table[4, 5] = table[5, 3] = 30.0  # after tokens 3, 4, 5: a nearly certain one
     model = ToyLM(table)
+    low, high, mid = (3, 4, 5, 3), (0, 1, 2, 0), (3, 4, 0, 1, 2, 0, 4, 5)
     exp = Experience(K)
-    low, high, mid = [3, 4, 5, 3], [0, 1, 2, 0], [3, 4, 0, 1, 2, 0, 4, 5]
-    exp.pool[7] = [Trajectory(tuple(high), torch.zeros(4)), Trajectory(tuple(low), torch.zeros(4)),
-                   Trajectory(tuple(mid), torch.zeros(8))]
-    exp.bucket[7] = 3
-    exp.pool[8] = [Trajectory(tuple(mid), torch.zeros(8)), Trajectory(tuple(high), torch.zeros(4))]
-    exp.bucket[8] = 5
-    prompts = {7: [1, 3], 8: [2]}  # each prompt's last token conditions the first completion token
-    h = exgrpo.trajectory_scores(model, [prompts[7]] * 3, [high, low, mid], 0, micro_batch=2)
-    hand = []
-    for p, c in ((prompts[7], high), (prompts[7], low), (prompts[7], mid)):
-        logits = table[torch.tensor(p[-1:] + c[:-1])]
-        hand.append(torch.special.entr(logits.softmax(-1)).sum(-1).mean())
-    torch.testing.assert_close(h, torch.stack(hand))
-    chosen = exgrpo.select_trajectories(model, exp, [7, 8], [prompts[7], prompts[8]], 0, micro_batch=3)
-    assert chosen[0].tokens == tuple(low)  # after prompt token 3, `low` is all near-deterministic steps
-    assert chosen[1].tokens == tuple(mid)  # mid (half its steps deterministic) beats high
-    # the score is recomputed under the current policy: make tokens 0..2 deterministic and 3..5 uniform
+    exp.pool = {7: [Trajectory(high, torch.zeros(4)), Trajectory(low, torch.zeros(4)), Trajectory(mid, torch.zeros(8))],
+                8: [Trajectory(mid, torch.zeros(8)), Trajectory(high, torch.zeros(4))]}
+    exp.bucket = {7: 3, 8: 5}
+    # the context's last token conditions the first completion token
+    chosen = select(model, exp, [7, 8], [[1, 3], [2, 5]])
+    assert chosen[0].tokens == low  # after prompt token 3, every step of `low` is nearly certain
+    assert chosen[1].tokens == mid  # half of mid's steps are nearly certain, none of high's
+    # sum instead of mean prefers the short trajectory at equal per-token entropy: high (4 tokens) beats mid (8)
+    assert select(model, exp, [8], [[2, 0]], how="sum")[0].tokens == high
+    # recomputed under the current policy: make tokens 0..2 certain and 3..5 uniform
     with torch.no_grad():
-        model.table.copy_(torch.zeros(V, V))
+        model.table.zero_()
         model.table[0, 1] = model.table[1, 2] = model.table[2, 0] = 30.0
-    chosen = exgrpo.select_trajectories(model, exp, [7], [[1, 0]], 0, micro_batch=3)
-    assert chosen[0].tokens == tuple(high)
+    assert select(model, exp, [7], [[1, 2]])[0].tokens == high
 
 
 # ----------------------------------------------------------------------------- 12. delayed start
@@ -242,3 +239,228 @@ def test_experience_state_round_trip(tmp_path):
         assert [t.tokens for t in back.pool[q]] == [t.tokens for t in exp.pool[q]]
         for a, b in zip(back.pool[q], exp.pool[q]):
             assert torch.equal(a.logp, b.logp)
+
+
+# ----------------------------------------------------------------------------- 8. the shaped replay loss
+
+def test_shaping_function_and_gradient():
+    from kernels import policy_loss
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    old = torch.tensor([-1.0, -1.0 - math.log(5.0), -1.0 + math.log(100.0), -1.0 - math.log(5.0)])  # w = 1, 5, 0.01, 5
+    adv = torch.ones(4)
+    shaped = torch.tensor([True, True, True, False])
+    loss, low, high = policy_loss(logp, old, adv, 0.2, 0.2, shaped=shaped, shaped_beta=0.1)
+    w = torch.tensor([1.0, 5.0, 0.01])
+    torch.testing.assert_close(loss[:3].detach(), -w / (w + 0.1))
+    assert loss[0].item() == pytest.approx(-1 / 1.1)  # f(1) = 1/1.1
+    loss.sum().backward()
+    # d(-A f(w))/d log π = -A β w / (w + β)^2: 0.1 / 1.21 = 0.0826 at w = 1; never cut by a clip
+    assert -logp.grad[0].item() == pytest.approx(0.1 / 1.21, rel=1e-5)
+    torch.testing.assert_close(-logp.grad[:3], 0.1 * w / (w + 0.1) ** 2)
+    assert not high[:3].any() and high[3]  # the fresh token at ratio 5 is clipped (no gradient), the shaped one is not
+    assert logp.grad[3] == 0 and logp.grad[1] != 0
+
+
+# ----------------------------------------------------------------------------- 10. advantages of a mixed group
+
+@pytest.mark.parametrize("j", range(8))
+def test_mixed_group_advantage(j):
+    grpo = pytest.importorskip("grpo")
+    rewards = torch.tensor([1.0] + [1.0] * j + [0.0] * (7 - j))  # the replayed success, then 7 fresh samples
+    adv = exgrpo.group_advantages(rewards, torch.zeros(8, dtype=torch.long), "none")
+    assert adv[0].item() == pytest.approx(1 - (1 + j) / 8)
+    if j == 7:
+        assert torch.equal(adv, torch.zeros(8))  # all equal: no signal (and the question is retired)
+    torch.testing.assert_close(adv, grpo.group_advantages(rewards, torch.zeros(8, dtype=torch.long), "none"))
+
+
+# ----------------------------------------------------------------------------- end to end on a tiny model
+
+RUN = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "5", "--eval-size", "2", "--train-size", "6",
+       "--micro-batch", "4", "--temperature", "1.0", "--dtype", "float32"]
+
+
+def parity_reward(text, answer):
+    """A test reward a random model earns half the time: an even number of characters."""
+    return float(len(text) % 2 == 0)
+
+
+@pytest.fixture(scope="module")
+def soft_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with small embeddings (tied to the head): near-uniform next tokens, so samples differ."""
+    import shutil
+
+    from common.model import Transformer
+    model = Transformer.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(0.02)
+    folder = tmp_path_factory.mktemp("soft") / "model"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(exgrpo, "score", parity_reward)
+    torch.set_num_threads(1)
+    return tmp_path
+
+
+def rows(path):
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def weights_of(ckpt):
+    from safetensors.torch import load_file
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def trainer_state(ckpt):
+    return torch.load(ckpt / "trainer.pt", weights_only=False)
+
+
+def test_smoke_main_replays_and_retires(in_tmp, soft_model_dir, monkeypatch):
+    seen = {}
+    real_update, real_select = exgrpo.update, exgrpo.select_trajectories
+    real_loss = exgrpo.policy_loss
+
+    def spy_select(*a, **kw):
+        out = real_select(*a, **kw)
+        seen.setdefault("selected", []).append([(t.tokens, t.logp.clone()) for t in out])
+        return out
+
+    def spy_update(policy, model, optimizer, b, adv, cfg, *a, **kw):
+        seen.setdefault("update", []).append((b, cfg.eps_low, cfg.eps_high, a[3].clone(), kw.get("loss_kw")))
+        return real_update(policy, model, optimizer, b, adv, cfg, *a, **kw)
+
+    def spy_loss(logp, old, adv, eps_low, eps_high, **kw):
+        seen.setdefault("loss", []).append((logp.detach().clone(), old.clone(), kw.get("shaped")))
+        return real_loss(logp, old, adv, eps_low, eps_high, **kw)
+
+    monkeypatch.setattr(exgrpo, "select_trajectories", spy_select)
+    monkeypatch.setattr(exgrpo, "update", spy_update)
+    monkeypatch.setattr(exgrpo, "policy_loss", spy_loss)
+    exgrpo.main(["--model", str(soft_model_dir), "--run-name", "smoke", "--steps", "4", "--start-acc", "-1",
+                 "--prompts-per-step", "4", *RUN[2:]])
+    steps = [r for r in rows(in_tmp / "runs/smoke/metrics.jsonl") if "exgrpo/mixed" in r]
+    assert len(steps) == 4 and all(r["exgrpo/mixed"] == 1.0 for r in steps)
+    assert steps[0]["exgrpo/replay_share"] == 0  # the first mixed step has an empty buffer
+    assert steps[0]["exgrpo/buffer_trajectories"] > 0  # ...and fills it
+    assert any(r["exgrpo/replay_share"] == 0.5 for r in steps[1:])  # ⌊ρB⌋ = 2 of the 4 questions
+    replay_steps = [r for r in steps if r["exgrpo/replay_share"] > 0]
+    assert all(0 < r["exgrpo/f_w_mean"] < 1 and r["exgrpo/w_mean"] > 0 for r in replay_steps)
+    assert all(sum(r[f"exgrpo/bucket_{k}"] for k in range(1, 4)) == r["exgrpo/buffer_questions"] for r in steps)
+    # every step: B groups of G; replayed rows are the selected trajectories, with their stored log-probs as π_old
+    for b, eps_low, eps_high, old_logp, loss_kw in seen["update"]:
+        assert torch.equal(torch.bincount(b.group), torch.full((4,), 4))
+        assert (eps_low, eps_high) == (1.0, math.inf)  # mixed phase: fresh tokens unclipped
+    n_replayed = 0
+    for (b, _, _, old_logp, loss_kw), chosen in zip([u for u in seen["update"] if u[4]], [s for s in seen["selected"] if s]):
+        shaped = loss_kw["shaped"]
+        starts = torch.cumsum(b.lengths, 0) - b.lengths
+        for j, (tokens, logp) in enumerate(chosen):
+            i = 4 * j  # the replayed trajectory is the first member of its group
+            assert tuple(b.tokens[i]) == tokens
+            s = slice(int(starts[i]), int(starts[i] + b.lengths[i]))
+            assert shaped[s].all() and torch.equal(old_logp[s], logp)
+            n_replayed += 1
+        assert int(shaped.sum()) == sum(len(t) for t, _ in chosen)
+    assert n_replayed > 0
+    # 9: on fresh tokens π_old is the trainer's own forward (ratio exactly 1 on the first mini-batch);
+    # replayed tokens are measured against their stored log-probs, which differ
+    for logp, old, shaped in seen["loss"]:
+        fresh = ~shaped if shaped is not None else torch.ones_like(logp, dtype=torch.bool)
+        torch.testing.assert_close(logp[fresh], old[fresh], atol=1e-5, rtol=0)
+    state = trainer_state(in_tmp / "runs/smoke/checkpoint")["extra"]["exgrpo"]
+    assert len(state) == 1 and state[0]["mixed"] and state[0]["buffer"]["pool"]
+
+
+def test_replay_off_equals_grpo_dr_grpo_step(in_tmp, soft_model_dir, monkeypatch):
+    grpo = pytest.importorskip("grpo")
+    monkeypatch.setattr(grpo, "score", parity_reward)
+    host = ["--adv-norm", "none", "--loss-agg", "seq-mean-token-sum-norm", "--eps-high", "0.2", "--entropy-coef",
+            "0.001", "--skip-grad-norm", "500"]
+    common = ["--model", str(soft_model_dir), "--steps", "2", *RUN]
+    grpo.main([*common, *host, "--run-name", "grpo"])
+    # ρ = 0 in the mixed phase (collecting, fresh tokens unclipped), and replay on but before the delayed start
+    exgrpo.main([*common, "--run-name", "off", "--replay-ratio", "0", "--start-acc", "-1"])
+    exgrpo.main([*common, "--run-name", "early", "--start-acc", "2"])
+    want = weights_of(in_tmp / "runs/grpo/checkpoint")
+    start = weights_of(soft_model_dir)
+    assert any(not torch.equal(want[k], start[k]) for k in want)
+    for name in ("off", "early"):
+        got = weights_of(in_tmp / f"runs/{name}/checkpoint")
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+        ours = [r["reward/acc"] for r in rows(in_tmp / f"runs/{name}/metrics.jsonl") if "reward/acc" in r]
+        assert ours == [r["reward/acc"] for r in rows(in_tmp / "runs/grpo/metrics.jsonl") if "reward/acc" in r]
+
+
+def test_resume_with_a_full_buffer_is_exact(in_tmp, soft_model_dir):
+    common = ["--model", str(soft_model_dir), "--start-acc", "-1", "--save-every", "2", *RUN]
+    exgrpo.main([*common, "--run-name", "straight", "--steps", "4"])
+    exgrpo.main([*common, "--run-name", "halves", "--steps", "2"])
+    half = trainer_state(in_tmp / "runs/halves/checkpoint")["extra"]["exgrpo"][0]
+    assert half["buffer"]["pool"] and half["mixed"]  # the checkpoint holds a non-empty buffer
+    exgrpo.main([*common, "--run-name", "halves", "--steps", "4", "--resume"])
+    a, b = weights_of(in_tmp / "runs/straight/checkpoint"), weights_of(in_tmp / "runs/halves/checkpoint")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (trainer_state(in_tmp / f"runs/{n}/checkpoint")["extra"]["exgrpo"][0] for n in ("straight", "halves"))
+    assert sa["stream"] == sb["stream"] and sa["mixed"] == sb["mixed"]
+    assert sa["buffer"]["bucket"] == sb["buffer"]["bucket"] and sa["buffer"]["retired"] == sb["buffer"]["retired"]
+    assert {q: [t for t, _ in ts] for q, ts in sa["buffer"]["pool"].items()} == \
+           {q: [t for t, _ in ts] for q, ts in sb["buffer"]["pool"].items()}
+    ra, rb = rows(in_tmp / "runs/straight/metrics.jsonl"), rows(in_tmp / "runs/halves/metrics.jsonl")
+    key = lambda r: {k: v for k, v in r.items() if not k.startswith("perf/")}  # noqa: E731
+    train_a, train_b = ([key(r) for r in rs if "reward/acc" in r] for rs in (ra, rb))  # (halves also evaluated at 2)
+    assert len(train_a) == 4 and train_a == train_b
+    assert any(r["exgrpo/replay_share"] > 0 for r in train_a[2:])  # replay happened after the resume point
+
+
+# ----------------------------------------------------------------------------- 11. constant normaliser
+
+def test_mixed_loss_is_padding_free_and_divided_by_a_constant(soft_model_dir):
+    """One update of a mixed batch (a replayed row with its stored log-probs, shaped) with plain SGD: micro-batches of
+    1 (no padding) and of 8 (padded to the longest) give the same step, and doubling L_max halves it."""
+    from common.batch import Batch, trainer_logprobs
+    from common.model import Transformer
+    torch.manual_seed(0)
+    contexts = [[1, 5, 9], [1, 5, 9], [2, 7], [2, 7], [3, 3, 3, 3], [3, 3, 3, 3], [4], [4]]
+    tokens = [torch.randint(10, 500, (n,)).tolist() for n in (3, 7, 2, 5, 9, 4, 1, 6)]
+    b = Batch(contexts, tokens, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), torch.zeros(8, dtype=torch.long),
+              torch.zeros(sum(map(len, tokens))), torch.ones(8, dtype=torch.bool), ["1"] * 8)
+    adv = torch.tensor([0.5, -0.5, 0.5, -0.5, 0.25, -0.25, 0.0, 0.0])
+    shaped = (torch.arange(8) % 2 == 0).repeat_interleave(b.lengths)  # row 0 of each group was replayed
+    cpu, no_autocast = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+
+    def step(micro, max_new_tokens):
+        model = Transformer.from_pretrained(soft_model_dir)
+        logp, _ = trainer_logprobs(model, b, 8, 1.0, 0, cpu, no_autocast)
+        old = torch.where(shaped, logp - 0.3, logp)  # stored log-probs: the collecting policy differed
+        cfg = exgrpo.Config(micro_batch=micro, max_new_tokens=max_new_tokens, temperature=1.0, eps_low=1.0,
+                            eps_high=math.inf, max_grad_norm=1e9)
+        before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        exgrpo.update(model, model, opt, b, adv, cfg, 0, cpu, no_autocast, old, None, loss_kw={"shaped": shaped})
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach() - before
+
+    one, eight, long = step(1, 12), step(8, 12), step(8, 24)
+    assert one.abs().max() > 0
+    torch.testing.assert_close(one, eight, atol=1e-7, rtol=1e-4)
+    torch.testing.assert_close(long, eight / 2, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [["--replay-ratio", "1.5"], ["--bucket-sigma", "0"], ["--dynamic-sampling"],
+                                 ["--bucket-weighting", "x"]])
+def test_bad_options_are_one_line_errors(in_tmp, bad, capsys):
+    from common.config import main_guard
+    with pytest.raises(SystemExit) as e:
+        main_guard(lambda: exgrpo.main(bad))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert bad[0] in err or bad[0][2:].replace("-", "_") in err
+    assert not (in_tmp / "runs").exists()  # refused before anything is written
