@@ -79,10 +79,11 @@ class Config:
     micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
     # experience replay (ExGRPO §4)
     replay_ratio: float = 0.5  # ρ: up to ⌊ρB⌋ of each step's B questions come from the buffer (0 = never replay)
-    # our choice: 0.1, not the paper's 0.35 (set for 7B models): SmolLM2 starts near 0.06 batch accuracy at T = 0.8
-    # on arith, so 0.1 waits for the first sign of learning and still leaves most of a 15-step run to replay
-    start_acc: float = 0.1  # delayed start: replay begins after a step whose batch accuracy is above this (< 0: at once)
-    bucket_weighting: str = "normal"  # preferred success counts k: normal (in k), normal-acc (in k/K), linear, sqrt, uniform
+    # our choice: 0.15, not the paper's 0.35 (set for 7B math models). Untrained SmolLM2 averages 0.11 batch accuracy on
+    # arith at T = 0.8 (6 batches of 8 x 8, from 0.05 to 0.20): 0.15 mostly waits for the first learning, and leaves
+    # most of a 15-step CPU run to replay
+    start_acc: float = 0.15  # delayed start: replay begins after a step with batch accuracy above this (< 0: at once)
+    bucket_weighting: str = "normal"  # preferred success counts k: normal, normal-acc (in k/K), linear, sqrt, uniform
     bucket_sigma: float = 1.0  # σ of the normal weightings (success-count units; accuracy units for normal-acc)
     trajectory_score: str = "mean"  # replay the stored trajectory of lowest mean (or sum) token entropy at T = 1
     # optimizer
@@ -104,7 +105,8 @@ class Config:
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
-               "bucket_weighting": ["normal", "normal-acc", "linear", "sqrt", "uniform"], "trajectory_score": ["mean", "sum"]}
+               "bucket_weighting": ["normal", "normal-acc", "linear", "sqrt", "uniform"],
+               "trajectory_score": ["mean", "sum"]}
 
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
@@ -264,7 +266,7 @@ def bucket_weights(K: int, method: str = "normal", sigma: float = 1.0) -> torch.
     normal-acc: N(k/K; 0.5, σ) in accuracy units, as the paper's formula reads (σ = 1 is nearly uniform);
     linear, sqrt: k/K and sqrt(k/K); uniform: all alike."""
     k = torch.arange(1, K, dtype=torch.float64)
-    # our choice: count units by default; the paper's text and the authors' code disagree, the results come from the code
+    # our choice: count units by default; the paper's text and the authors' code disagree, its results are the code's
     if method in ("normal", "normal-acc"):
         x = (k - K / 2) if method == "normal" else (k / K - 0.5)
         return torch.exp(-0.5 * (x / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
@@ -488,7 +490,8 @@ def exgrpo_metrics(exp: Experience, n, B, mixed, logp, stored_logp) -> dict:
     """The buffer's state after the step, this step's replay share, the mixed-phase flag, and the replayed tokens'
     ratio w* = π_θ / π_past at the start of the update with its shaped value f(w*) (summed over ranks first)."""
     w = (logp - stored_logp).exp()  # [replayed tokens]
-    w_sum, f_sum, count = dist.all_reduce_sum(torch.tensor([w.sum().item(), (w / (w + 0.1)).sum().item(), len(w)])).tolist()
+    f = w / (w + 0.1)  # β = 0.1, kernels.policy_loss's default for shaped tokens
+    w_sum, f_sum, count = dist.all_reduce_sum(torch.tensor([w.sum().item(), f.sum().item(), len(w)])).tolist()
     out = {"exgrpo/buffer_questions": len(exp.valid()), "exgrpo/buffer_trajectories": exp.n_trajectories(),
            "exgrpo/retired": len(exp.retired), "exgrpo/replay_share": n / B, "exgrpo/mixed": float(mixed),
            **{f"exgrpo/bucket_{k}": len(ids) for k, ids in exp.buckets().items()}}
