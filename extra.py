@@ -1,0 +1,704 @@
+"""ExTra: exploratory trajectory optimisation (Hu et al., arXiv 2606.24994). GRPO plus two exploration
+signals taken from the policy's own rollouts; read it against grpo.py (`diff grpo.py extra.py`).
+
+    python extra.py                                  # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
+    python extra.py --steps 2 --run-name smoke       # any option: python extra.py --help
+    python extra.py --run-name NAME --resume         # continue a run from its last checkpoint
+    python extra.py --no-novelty --no-regen          # the host alone: GRPO with ExTra's loss settings
+    python extra.py --model Qwen3-1.7B --task math500 ...   # paper-scale settings: see README
+
+(i) Novelty bonus (§3.1): each rollout's answer is embedded; its novelty d is the cosine distance to its nearest
+neighbour among the prompt's last H rollouts and its siblings. Correct rollouts get α·d added to their GRPO
+advantage after the group normalisation, so all-correct groups still get a signal that prefers diverse answers.
+(ii) Entropy-guided prefix regeneration (§3.2): for hard prompts (at most one correct of G), the most confident
+rollout is cut at line breaks; each prefix is scored by its mean token entropy (MTE, low = promising), smoothed
+over similar stored prefixes; prompt ++ the best prefix is queued and rolled out later as its own group, so the
+policy practises finishing from a promising partial solution. The prefix is context: it gets no loss.
+The host: GRPO with std advantages, token-mean clipped loss (0.2 / 0.28, dual clip 10), k3 KL 0.001, one epoch.
+
+Left out: the paper embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the policy's own final
+hidden states, mean-pooled, stand in for it (no second model). Under torchrun the memories would be per rank,
+so the mechanisms refuse to run there (the host alone runs). The rest as in grpo.py.
+"""
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from common import checkpoint, dist
+from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
+from common.embed import embed
+from common.config import RunError, check, main_guard, parse
+from common.evaluate import evaluate
+from common.logger import MetricsLog
+from common.model import Transformer, compute_dtype
+from common.sampler import generate
+from common.tasks import format_question, load_task
+from common.tokenizer import Tokenizer
+from common.verifier import extract_answer, score
+from kernels import policy_loss
+
+
+@dataclass
+class Config:
+    # run
+    run_name: str = ""  # writes runs/<run-name>/; empty = extra-<date-time>
+    resume: bool = False  # continue runs/<run-name>/ from its last checkpoint
+    seed: int = 0  # seeds data order, sampling and init; same seed on CPU = same run
+    device: str = "auto"  # auto (cuda if available), cpu or cuda
+    dtype: str = "auto"  # matmul dtype: auto (bf16 on GPUs and CPUs with bf16 units, else float32), float32, bfloat16
+    # model and data
+    model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
+    task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
+    train_size: int = 24  # problems generated for arith (ignored for data files); few, so prompts come back
+    # (our choice: 15 steps x 8 prompts visit each ~5 times; the novelty memory needs revisits)
+    # rollouts
+    steps: int = 15  # training steps
+    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    group_size: int = 8  # G: completions per prompt
+    max_new_tokens: int = 96  # L_max: completion budget in tokens
+    temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
+    top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
+    format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
+    # advantages and loss
+    adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    eps_low: float = 0.2  # clip ratio below 1 - eps_low
+    eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
+    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
+    dual_clip: float = 10.0  # c: for A < 0 the loss is at most c·|A| (dual-clip PPO, as ExTra's verl recipe); 0 = off
+    kl_coef: float = 0.001  # β: k3 KL to the initial model (ExTra's recipe: 0.001); 0 loads no reference model
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    epochs: int = 1  # μ: passes over each batch of rollouts
+    mini_batches: int = 1  # M: optimizer steps per epoch
+    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    # optimizer
+    lr: float = 3e-5  # AdamW learning rate after warm-up
+    warmup_steps: int = 3  # linear warm-up from 0
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.99  # AdamW β2
+    max_grad_norm: float = 1.0  # gradient clipping
+    skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
+    max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
+    # evaluation and checkpoints
+    eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
+    eval_size: int = 100  # held-out problems per evaluation
+    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    save_every: int = 15  # checkpoint every N steps (and after the last)
+    # ExTra (i): novelty bonus, §3.1
+    novelty: bool = True  # add an embedding-novelty bonus to correct rollouts
+    novelty_mode: str = "after"  # after: α·d joins the advantage after normalisation (paper); before: the reward
+    alpha: float = 0.1  # α: bonus per unit of cosine distance
+    novelty_lambda: float = 1.0  # λ: "before" mode damps the bonus by exp(-λ·v̄), v̄ = EMA of the prompt's reward variance
+    memory_size: int = 16  # H: rollout embeddings remembered per prompt (at least group_size, or novelty never starts)
+    tail_tokens: int = 512  # a rollout is embedded from its last this many tokens ...
+    embed_tokens: int = 256  # ... of which the first this many (the paper's encoder truncates at 256 word pieces)
+    # ExTra (ii): entropy-guided prefix regeneration, §3.2
+    regen: bool = True  # queue prompt ++ prefix of hard prompts' most confident rollouts as new groups
+    regen_warmup: int = 2  # steps before regeneration starts (ExTra recipe: 30 of 300); nothing stored, queued or injected
+    regen_rows: int = 2  # guided prompts per step, replacing the last rows of the batch (ExTra recipe: 16 of 512)
+    queue_size: int = 8  # guided prompts waiting for a batch; on overflow the oldest go (ExTra recipe: 512)
+    boundary_gap: int = 8  # least tokens between cut points (ExTra recipe: 32, for answers of thousands of tokens)
+    max_prefixes: int = 15  # cut points per rollout, spread evenly
+    prefix_memory: int = 128  # prefixes remembered per prompt
+    tau: float = 0.1  # τ: temperature of the similarity smoothing of prefix scores
+    cuttable_only: bool = True  # cut the most confident rollout that has a line break (ExTra: the most confident)
+    max_prompt_len: int = 2048  # guided prompts (prompt ++ prefix) are cut to this many tokens, head kept
+
+    choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+               "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
+               "novelty_mode": ["after", "before"]}
+
+
+# Options a resumed run must share with the run it continues: they fix the data order and the model.
+RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
+
+
+def validate(cfg: Config):
+    """Refuse impossible options before anything is loaded or written."""
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
+                 "eval_every", "save_every", "train_size", "max_skipped"):
+        check(getattr(cfg, name) > 0, name, "a positive integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
+    check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
+    check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
+    check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
+    check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
+    check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
+          "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
+    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
+    check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
+    # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
+          "at most the completions per step on each rank (prompts_per_step / world * group_size)")
+    for name in ("memory_size", "tail_tokens", "embed_tokens", "boundary_gap", "max_prefixes", "prefix_memory",
+                 "max_prompt_len"):
+        check(getattr(cfg, name) > 0, name, "a positive integer")
+    check(cfg.alpha >= 0 and cfg.novelty_lambda >= 0 and cfg.tau > 0, "alpha/novelty_lambda/tau",
+          "alpha >= 0, novelty_lambda >= 0 and tau > 0")
+    check(cfg.regen_rows >= 0 and cfg.queue_size >= 0 and cfg.regen_warmup >= 0, "regen_rows/queue_size/regen_warmup",
+          "non-negative integers")
+    check(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "0 (off) or a number > 1")
+    # novelty waits until the memory holds a group's worth of embeddings; a smaller memory never gets there
+    check(not cfg.novelty or cfg.memory_size >= cfg.group_size, "memory_size", f"at least group_size ({cfg.group_size})")
+    # the memories and the queue live in this process; ranks would each keep (and save) different ones
+    check(dist.world() == 1 or not (cfg.novelty or cfg.regen), "novelty/regen",
+          "a single process (under torchrun run the host alone: --no-novelty --no-regen)")
+
+
+def check_resume(cfg: Config, saved: dict):
+    """A resumed run must see the data and model the checkpoint was trained on."""
+    for name in RESUME_FIXED:
+        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+
+
+def check_context(model, tok, problems, cfg):
+    """Prompt + completion must fit the model's positions; say so before anything is written."""
+    longest = max(len(tok.prompt(format_question(p))) for p in problems)
+    limit = model.cfg.max_position_embeddings
+    check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
+          f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
+
+
+# ----------------------------------------------------------------------------- rewards -> advantages
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
+    """rewards [N], group ids [N] -> advantages [N] relative to each completion's group (GRPO, DeepSeekMath
+    §4.1.2). Groups may differ in size; a group of one has advantage 0."""
+    n = int(group.max()) + 1 if len(group) else 0
+    count = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, rewards.double()) / count.clamp(min=1)
+    centred = rewards.double() - mean[group]
+    if norm == "none":  # Dr. GRPO §3.1: the std division re-weights groups by difficulty; leave it out
+        return centred.float()
+    # unbiased std, as DeepSeekMath's reference; a group of one has centred = 0, so 0 / (0 + 1e-6) = 0
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, group, centred ** 2) / (count - 1).clamp(min=1)
+    return (centred / (var.sqrt()[group] + 1e-6)).float()
+
+
+def boxed(text: str) -> bool:
+    """The optional format term: the completion uses \\boxed and an answer can be read from it."""
+    return "\\boxed" in text and extract_answer(text) is not None
+
+
+def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+    """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
+    from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
+    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    if agg == "token-mean":  # DAPO §3.3: every token counts the same
+        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+    elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
+        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
+        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(lengths)
+
+
+def step_prompts(train, step, n, seed):
+    """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
+    (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
+    out, perms = [], {}
+    for g in range((step - 1) * n, step * n):
+        epoch, i = divmod(g, len(train))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        out.append(train[int(perms[epoch][i])])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ update
+
+def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
+           loss_kw=None):
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
+    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
+    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    N, lengths = len(b.tokens), b.lengths
+    n_train = lengths - b.skip  # loss tokens per completion
+    tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
+    mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
+    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+                           "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
+                           "skipped_since_last_step"], 0.0)
+    for epoch in range(cfg.epochs if N else 0):
+        for idx in mini:
+            # the aggregation's totals over the whole mini-batch, summed over ranks
+            n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
+                                                                 float(n_train[idx].sum())])).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            micro = [idx[i:i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
+            for j, mb in enumerate(micro):
+                w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
+                with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
+                    # log π_θ of the loss tokens of completions mb, and their positions tok in the flat [n_tok] arrays
+                    logp, entropy, tok = completion_logprobs(policy, b, mb, cfg.temperature, pad_id, device)
+                    extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                    if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
+                        extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
+                    if cfg.tis_cap:
+                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                    old = logp.detach() if old_logp is None else old_logp[tok].to(device)
+                    ref = None if ref_logp is None else ref_logp[tok].to(device)
+                    loss_tok, clip_low, clip_high = policy_loss(
+                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, dual_clip=cfg.dual_clip or None, **extra)
+                    # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
+                    ((loss_tok * w.to(device)).sum() * dist.world()).backward()
+                with torch.no_grad():  # diagnostics
+                    log_ratio = logp.detach() - old
+                    stats["tokens"] += len(logp)
+                    stats["clip_low"] += clip_low.float().sum().item()
+                    stats["clip_high"] += clip_high.float().sum().item()
+                    stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
+                    stats["entropy"] += entropy.detach().sum().item()
+                    if ref is not None:
+                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if epoch == 0:
+                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
+                        stats["mismatch_tokens"] += len(old)
+            skipped = optimizer_step(model, optimizer, cfg, stats)
+            stats["skipped"] += skipped
+            stats["skipped_since_last_step"] = stats["skipped_since_last_step"] + 1 if skipped else 0
+    return stats
+
+
+def optimizer_step(model, optimizer, cfg, stats) -> bool:
+    """Clip and step; a non-finite gradient norm (or one above --skip-grad-norm) skips the step instead.
+    The norm is of the all-reduced gradient, so every rank decides the same. Returns True if skipped."""
+    grad_norm = float(dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+    stats["last_grad_norm"] = grad_norm
+    if not math.isfinite(grad_norm) or (cfg.skip_grad_norm > 0 and grad_norm > cfg.skip_grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return True
+    optimizer.step()
+    stats["grad_norm"] += grad_norm
+    stats["grad_norm_max"] = max(stats["grad_norm_max"], grad_norm)
+    stats["opt_steps"] += 1
+    return False
+
+
+def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+    """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
+    lengths, seen = b.lengths.float(), max(stats["tokens"], 1)
+    t0, t_sample, t_score, t_train = times
+    return {
+        "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
+        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
+        "response/truncated": (~b.finished).float().mean().item(),
+        "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,
+        "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
+        "policy/ref_kl": stats["ref_kl"] / seen,
+        "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
+        "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
+        "optim/skipped_steps": stats["skipped"],
+        "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
+        "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
+        "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
+        "perf/step_s": t_train - t0,
+    }
+
+
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
+
+
+# ------------------------------------------------------------- ExTra (i): the novelty bonus (ExTra §3.1)
+
+def response_tail(tokens: list[int], special: set[int], tail: int, head: int) -> list[int]:
+    """What a rollout's embedding reads: its last `tail` tokens without special ones (the stop token), then
+    only the first `head` of those. Our choice: `head` mirrors the paper's encoder (all-MiniLM-L6-v2), which
+    truncates its input at 256 word pieces, so the start of the tail is what gets embedded."""
+    return [t for t in tokens if t not in special][-tail:][:head]
+
+
+def novelty(group_emb: torch.Tensor, memory: torch.Tensor, n: int) -> torch.Tensor:
+    """Cosine distance of each rollout to its nearest neighbour among the prompt's remembered rollouts and
+    its siblings, never itself. group_emb [G, d], memory [m, d], unit rows -> d [G] in [0, 2]. Zero for the
+    whole group while the memory holds fewer than n embeddings: a prompt's first visit gets no bonus."""
+    G, m = group_emb.shape[0], memory.shape[0]
+    if m < n:
+        return torch.zeros(G)
+    cos = group_emb @ torch.cat([memory, group_emb]).T  # [G, m + G]
+    cos[torch.arange(G), m + torch.arange(G)] = float("-inf")  # a rollout is not its own neighbour
+    d = (1 - cos.max(dim=1).values).clamp(min=0)
+    return d * (group_emb.norm(dim=1) > 0)  # an empty answer embeds to the zero vector: not novel either
+
+
+def remember(memory: torch.Tensor, group_emb: torch.Tensor, H: int) -> torch.Tensor:
+    """The prompt's FIFO of its last H rollout embeddings, correct or not: [m, d] -> [min(m + G, H), d]."""
+    return torch.cat([memory, group_emb])[-H:]
+
+
+def bonus_after_norm(adv, correct, d, alpha):
+    """Option B (ExTra abstract: the bonus comes 'after GRPO normalization'): correct rollouts get α·d on top
+    of their advantage, so an all-correct group (A = 0) still prefers its unusual answers. Shapes [N]."""
+    return adv + alpha * d * (correct > 0)
+
+
+def bonus_before_norm(rewards, correct, d, alpha, var_ema, lam):
+    """Option A (the official code's earlier form): α·d joins the reward of correct rollouts before the group
+    normalisation, d scaled to the group's largest novelty and damped by exp(-λ·v̄), v̄ = var_ema, the EMA of
+    the prompt's reward variance (a prompt whose rewards already vary needs less push). Shapes [G]."""
+    top = d.max()
+    d = d / top if top > 1e-8 else d
+    return rewards + alpha * d * math.exp(-lam * var_ema) * (correct > 0)
+
+
+def update_var_ema(ema: dict, key, rewards: torch.Tensor, weight: float = 0.1) -> float:
+    """v̄_x ← (1 - w) v̄_x + w Var(r_x) (population variance), starting at the first value; returns v̄_x."""
+    v = rewards.var(unbiased=False).item()
+    ema[key] = v if key not in ema else (1 - weight) * ema[key] + weight * v
+    return ema[key]
+
+
+# ----------------------------------------- ExTra (ii): entropy-guided prefix regeneration (ExTra §3.2)
+
+def is_hard(correct: torch.Tensor) -> torch.Tensor:
+    """correct [B, G] -> [B] bool: at most one correct rollout (pass rate <= 1/G)."""
+    return correct.sum(dim=1) <= 1
+
+
+def newline_ids(tok) -> set[int]:
+    """Ids that are a line break and nothing else: '\\n' and '\\n\\n' when each is one token, and any id
+    below 1000 decoding to exactly '\\n'. Merged tokens such as '.\\n\\n' mark no boundary."""
+    ids = {i for i in range(min(1000, tok.vocab_size)) if tok.decode([i]) == "\n"}
+    for text in ("\n", "\n\n"):
+        if len(enc := tok.encode(text)) == 1:
+            ids.add(enc[0])
+    return ids
+
+
+def prefix_cuts(tokens: list[int], nl_ids: set[int], min_gap: int, max_cuts: int = 15) -> list[int]:
+    """Cut points b (prefix = tokens[:b]) right after line breaks, kept greedily at least min_gap tokens
+    apart, the last dropped when there are several (the answer follows it; little is left to explore),
+    then at most max_cuts spread evenly."""
+    cuts, last = [], 0  # our choice: the first cut also needs min_gap tokens before it
+    for b in (i + 1 for i, t in enumerate(tokens) if t in nl_ids):
+        if b - last >= min_gap:
+            cuts.append(b)
+            last = b
+    if len(cuts) > 1:
+        cuts = cuts[:-1]
+    if len(cuts) > max_cuts:
+        cuts = [cuts[i * len(cuts) // max_cuts] for i in range(max_cuts)]
+    return cuts
+
+
+def prefix_mte(entropies: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """Mean token entropy (MTE) of each prefix, mean(H_0 .. H_{b-1}) per cut b: entropies [L] -> [len(cuts)].
+    Low MTE = the policy was confident along the way (the paper finds it anti-correlated with failure)."""
+    csum = torch.cat([torch.zeros(1, dtype=torch.float64), entropies.double().cumsum(0)])
+    b = torch.tensor(cuts, dtype=torch.long)
+    return (csum[b] / b).float()
+
+
+def select_prefix(emb: torch.Tensor, mte: torch.Tensor, tau: float) -> int:
+    """The stored prefix with the lowest similarity-smoothed MTE, m̃ = softmax(E Eᵀ / τ) m: a prefix wins
+    with its neighbours, not alone. emb [k, d], mte [k] -> index (the first, i.e. oldest, on ties)."""
+    e = torch.nn.functional.normalize(emb.float(), dim=-1)
+    smoothed = torch.softmax(e @ e.T / tau, dim=1) @ mte.float()  # [k]
+    return int(torch.argmin(smoothed))
+
+
+def guided_context(prompt: list[int], prefix: list[int], max_len: int) -> list[int]:
+    """A guided prompt: the prompt followed by the chosen prefix, cut to max_len tokens keeping the head."""
+    return (list(prompt) + list(prefix))[:max_len]
+
+
+def push_queue(queue: list, items: list, max_size: int) -> list:
+    """FIFO of guided prompts waiting for a batch; on overflow the oldest go."""
+    return (queue + items)[-max_size:] if max_size > 0 else []
+
+
+def inject(contexts: list, answers: list, queue: list, k: int):
+    """Replace the last k rows of the step's batch by the k oldest queued guided prompts, each graded against
+    its own problem's answer (carried in the queue; the official code keeps the replaced row's answer, a bug).
+    Returns (contexts, answers, guided [B] bool, the rest of the queue)."""
+    k = min(k, len(queue), len(contexts))
+    B = len(contexts)
+    items, rest = queue[:k], queue[k:]
+    contexts = contexts[:B - k] + [it["context"] for it in items]
+    answers = answers[:B - k] + [it["answer"] for it in items]
+    return contexts, answers, torch.arange(B) >= B - k, rest
+
+
+def group_novelty(memories: dict, keys: list, group: torch.Tensor, emb: torch.Tensor, H: int) -> torch.Tensor:
+    """Novelty of every completion of the step, then each group's embeddings join its prompt's memory.
+    keys [n_groups] the prompt key of each group (its exact context ids), group [N], emb [N, d] -> d [N].
+    Groups are visited in order, so two rows of one prompt in a batch share (and feed) one memory."""
+    d = torch.zeros(len(group))
+    for g, key in enumerate(keys):
+        rows = (group == g).nonzero()[:, 0]
+        memory = memories.get(key, torch.zeros(0, emb.shape[1])).float()
+        d[rows] = novelty(emb[rows], memory, n=len(rows))
+        memories[key] = remember(memory, emb[rows], H).half()  # our choice: fp16 storage, the memory is large at scale
+    return d
+
+
+def cut_rollout(tokens: list, entropies: list, nl_ids: set, min_gap: int, max_cuts: int, cuttable_only: bool):
+    """The rollout of a hard group to cut: the one with the lowest mean token entropy, correct or not.
+    Returns (its index, its cuts), cuts empty when it has no line break to cut at. cuttable_only: our
+    choice for short answers, where the most confident rollout is often one line without a break: take the
+    most confident among those that can be cut (the paper takes the most confident, and then gets nothing)."""
+    order = sorted(range(len(tokens)), key=lambda j: float(entropies[j].mean()) if len(tokens[j]) else float("inf"))
+    for j in order if cuttable_only else order[:1]:
+        cuts = prefix_cuts(tokens[j], nl_ids, min_gap, max_cuts)
+        if cuts:
+            return j, cuts
+    return order[0], []
+
+
+def regenerate(state: dict, hard_rows: list, embed_fn, nl_ids: set, cfg) -> tuple[list, int]:
+    """ExTra §3.2 for the step's hard prompts. hard_rows: (context, answer, tokens [G lists], entropies [G
+    tensors]) per hard row. Each cuts its most confident rollout into prefixes, stores them (ids, MTE,
+    embedding) in its prompt's prefix memory, and queues prompt ++ the memory's best prefix.
+    Returns (the queue items, prefixes stored)."""
+    picked = []
+    for context, answer, tokens, entropies in hard_rows:
+        j, cuts = cut_rollout(tokens, entropies, nl_ids, cfg.boundary_gap, cfg.max_prefixes, cfg.cuttable_only)
+        if cuts:
+            picked.append((context, answer, [tokens[j][:b] for b in cuts], prefix_mte(entropies[j], cuts)))
+    prefixes = [p for *_, ps, _ in picked for p in ps]
+    emb = embed_fn([p[:cfg.embed_tokens] for p in prefixes]) if prefixes else None  # [n_prefixes, d]
+    items, at = [], 0
+    for context, answer, ps, mte in picked:
+        memory = state["prefixes"].setdefault(tuple(context), [])
+        memory += [dict(ids=p, mte=float(m), emb=emb[at + i].half()) for i, (p, m) in enumerate(zip(ps, mte))]
+        del memory[:-cfg.prefix_memory]
+        at += len(ps)
+        best = select_prefix(torch.stack([e["emb"] for e in memory]).float(), torch.tensor([e["mte"] for e in memory]), cfg.tau)
+        items.append(dict(context=guided_context(context, memory[best]["ids"], cfg.max_prompt_len), answer=answer))
+    return items, len(prefixes)
+
+
+def novelty_rewards(rewards, correct, d, group, keys, var_ema: dict, cfg) -> torch.Tensor:
+    """Option A over the step: each group's rewards [N] with its bonus, after updating its prompt's v̄."""
+    out = rewards.clone()
+    for g, key in enumerate(keys):
+        rows = group == g
+        v = update_var_ema(var_ema, key, rewards[rows])
+        out[rows] = bonus_before_norm(rewards[rows], correct[rows], d[rows], cfg.alpha, v, cfg.novelty_lambda)
+    return out
+
+
+def embed_texts(model, seqs, pad_id, autocast) -> torch.Tensor:
+    """Unit embeddings [n, d] fp32 on the CPU of token-id lists, from the policy's pooled final hidden states:
+    our stand-in for the paper's sentence encoder (no second model)."""
+    with autocast:
+        return embed(model, seqs, pad_id=pad_id).float().cpu()
+
+
+def new_state() -> dict:
+    """ExTra's state, saved in every checkpoint: per-prompt rollout embeddings (novelty), per-prompt reward
+    variance EMAs (Option A), per-prompt prefix memories, and the queue of guided prompts."""
+    return {"novelty": {}, "var_ema": {}, "prefixes": {}, "queue": []}
+
+
+def extra_metrics(state, d, correct, hard, guided, stored, cfg) -> dict:
+    """extra/ metrics of one step. d, correct [N]; hard, guided [B]."""
+    right = correct > 0
+    G = len(correct) // len(hard)
+    return {
+        "extra/novelty": d.mean().item(),  # over all completions, 0 on first visits
+        "extra/bonus_share": ((d > 0) & right).sum().item() / max(right.sum().item(), 1),  # of correct completions
+        "extra/bonus_mean": (cfg.alpha * d[right]).mean().item() if cfg.novelty and right.any() else 0.0,
+        "extra/hard_prompts": hard.sum().item(),
+        "extra/prefixes_stored": float(stored),
+        "extra/prefix_memory": float(sum(len(m) for m in state["prefixes"].values())),
+        "extra/queue_len": float(len(state["queue"])),
+        "extra/guided_rows": guided.sum().item(),
+        "extra/guided_acc": correct.view(-1, G)[guided].mean().item() if guided.any() else float("nan"),
+    }
+
+
+# ---------------------------------------------------------------------------------------- main loop
+
+def main(argv=None):
+    cfg = parse(Config, argv)
+    device = dist.setup(cfg.device)
+    validate(cfg)
+    cfg.run_name = cfg.run_name or datetime.now().strftime("extra-%Y%m%d-%H%M%S")
+    run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
+    ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
+    check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
+    check(cfg.resume or not (run_dir / "metrics.jsonl").exists(), "run_name",
+          f"a new name: {run_dir} already holds a run (add --resume to continue it)")
+    state = checkpoint.load_trainer_state(ckpt) if ckpt else None
+    if state is not None:
+        check_resume(cfg, state["extra"].get("config", {}))
+    torch.manual_seed(cfg.seed)
+
+    # data first: a bad task or data line fails before the model is loaded
+    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=cfg.seed)[: cfg.eval_size]
+    tok = Tokenizer.from_pretrained(cfg.model)
+    dtype = compute_dtype(device, cfg.dtype)
+    model = Transformer.from_pretrained(ckpt or cfg.model, device=device)  # fp32 master weights
+    check_context(model, tok, train + held_out, cfg)
+    model.gradient_checkpointing = cfg.grad_checkpointing
+    ref_model = None
+    if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
+        ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
+    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
+    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
+    rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
+    policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (warm-up, then constant)
+    start_step = state["step"] if state else 0
+    extra_state = state["extra"]["extra_state"] if state else new_state()  # ExTra's memories and queue
+    nl_ids, special = newline_ids(tok), set(tok.stop_ids)
+    if state is not None:
+        dist.load_optimizer_state(model, optimizer, state["optimizer"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    if start_step:  # LambdaLR with last_epoch does not set the lr itself
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
+    if start_step == 0:
+        with autocast:
+            first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+        first_acc = first["eval/greedy_acc"]
+        log.log(0, first)
+
+    for step in range(start_step + 1, cfg.steps + 1):
+        # ---- 1. sample: G completions for each of this rank's B prompts, from the current policy
+        t0 = time.time()
+        problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
+        contexts = [tok.prompt(format_question(p)) for p in problems]
+        # ExTra §3.2: the oldest queued guided prompts (prompt ++ prefix) replace the last rows, each its own group
+        regen_on = cfg.regen and step > cfg.regen_warmup
+        contexts, answers, guided, extra_state["queue"] = inject(
+            contexts, [p.answer for p in problems], extra_state["queue"], cfg.regen_rows if regen_on else 0)
+        with torch.no_grad(), autocast:
+            groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
+        b = to_batch(contexts, groups, answers, group_ids=range(B))
+        t_sample = time.time()
+
+        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
+        texts = [tok.decode(t, skip_special=True) for t in b.tokens]
+        correct = torch.tensor([score(t, a) for t, a in zip(texts, b.answer)])  # [N]
+        rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
+        # ExTra §3.1: novelty of each completion against its prompt's memory (keyed by the exact context) and siblings
+        keys, d = [tuple(c) for c in contexts], torch.zeros(len(b.tokens))  # d [N]
+        if cfg.novelty:
+            tails = [response_tail(t, special, cfg.tail_tokens, cfg.embed_tokens) for t in b.tokens]
+            d = group_novelty(extra_state["novelty"], keys, b.group, embed_texts(rollout, tails, tok.pad_id, autocast),
+                              cfg.memory_size)
+            if cfg.novelty_mode == "before":  # Option A: into the reward, before the normalisation
+                rewards = novelty_rewards(rewards, correct, d, b.group, keys, extra_state["var_ema"], cfg)
+        n_groups = int(b.group.max()) + 1
+        group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, b.group, rewards, "amax")
+        group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, b.group, rewards, "amin")
+        zero_var = group_max == group_min  # [groups]
+        keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        b_all, correct_all, rewards_all = b, correct, rewards
+        b, rewards = b.select(keep), rewards[keep]
+
+        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
+        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        old_logp = ref_logp = None
+        if cfg.epochs * cfg.mini_batches > 1:
+            old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        if ref_model is not None:
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        # ExTra §3.2: the hard prompts' most confident rollouts, cut into prefixes scored by the trainer's entropies
+        hard = is_hard(correct.view(B, G))  # [B]
+        items, stored = [], 0
+        if regen_on and hard.any():
+            sub = b_all.select(hard[b_all.group])
+            # entropies at T = 1 as in the paper (this pass is ours alone, so it need not share the sampling temperature)
+            _, entropy = trainer_logprobs(model, sub, cfg.micro_batch, 1.0, tok.pad_id, device, autocast)
+            entropy = entropy.split(sub.lengths.tolist())
+            rows = [(contexts[r], answers[r], sub.tokens[i * G:(i + 1) * G], entropy[i * G:(i + 1) * G])
+                    for i, r in enumerate(hard.nonzero()[:, 0].tolist())]
+            items, stored = regenerate(extra_state, rows, lambda s: embed_texts(rollout, s, tok.pad_id, autocast),
+                                       nl_ids, cfg)
+            extra_state["queue"] = push_queue(extra_state["queue"], items, cfg.queue_size)
+        t_score = time.time()
+
+        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
+        adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
+        if cfg.novelty and cfg.novelty_mode == "after":  # Option B (ExTra's abstract: after GRPO normalization)
+            adv = bonus_after_norm(adv, correct[keep], d[keep], cfg.alpha)
+
+        # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
+        stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
+        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
+            raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
+                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
+                           f"in {ckpt_dir} is intact")
+        scheduler.step()
+        dist.sync_rollout(model, rollout)
+        t_train = time.time()
+
+        # ---- 6. log, evaluate, save
+        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
+                               if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
+        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        metrics.update(extra_metrics(extra_state, d, correct, hard, guided, stored, cfg))
+        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with autocast:
+                last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+            log.log(step, last)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save(model, optimizer, ckpt_dir, step, cfg, extra={"extra_state": extra_state})
+
+    if dist.is_main() and cfg.steps > start_step:
+        before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
+        print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
+              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
+    dist.cleanup()
+
+
+def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
+    """fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them), written
+    atomically; never from non-finite weights, which would replace the last good checkpoint with garbage."""
+    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
+    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
+        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
+                       "is intact (rerun with --resume and a lower --lr)")
+    if dist.is_main():
+        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
+                        extra={"config": asdict(cfg), **(extra or {})})
+    dist.barrier()
+
+
+def _model_dir(name):
+    from common.hub import resolve_model_dir
+    return resolve_model_dir(name)
+
+
+def _minutes(seconds):
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,369 @@
+"""extra.py: every test property of ExTra (arXiv 2606.24994) as we implement it (numbered 1-11 below), the
+reduction to grpo.py with both mechanisms off, resume equivalence, a smoke run, and bad input."""
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import extra
+import grpo
+from common.config import main_guard
+from common.model import Transformer
+from common.sampler import Sample
+from common.tokenizer import Tokenizer
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return Transformer.from_pretrained(tiny_model_dir)
+
+
+# ------------------------------------------------------------------ novelty bonus (properties 2-4)
+
+def unit(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def test_option_b_adds_alpha_d_to_correct_only():  # property 2
+    g = torch.Generator().manual_seed(0)
+    correct = torch.randint(0, 2, (4, 6), generator=g).float()
+    correct[0, :3] = torch.tensor([1.0, 0.0, 1.0])
+    group = torch.arange(4).repeat_interleave(6)
+    adv = extra.group_advantages(correct.flatten(), group, "std")
+    d = torch.rand(24, generator=g) * 2
+    out = extra.bonus_after_norm(adv, correct.flatten(), d, alpha=0.1)
+    assert torch.allclose(out - adv, 0.1 * d * correct.flatten())
+    wrong = correct.flatten() == 0
+    assert torch.equal(out[wrong], adv[wrong]) and wrong.any()
+    assert ((out - adv) >= 0).all()
+
+
+def test_all_correct_gets_alpha_d_all_wrong_gets_zero():  # property 3
+    correct = torch.tensor([1.0] * 6 + [0.0] * 6)
+    group = torch.arange(2).repeat_interleave(6)
+    d = torch.linspace(0.1, 0.9, 12)
+    out = extra.bonus_after_norm(extra.group_advantages(correct, group, "std"), correct, d, 0.1)
+    assert torch.allclose(out[:6], 0.1 * d[:6]) and torch.equal(out[6:], torch.zeros(6))
+
+
+def test_option_a_bonus_before_norm():
+    rewards, correct = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0])
+    d = torch.tensor([0.2, 0.4, 0.8])
+    ema = {}
+    v = extra.update_var_ema(ema, "x", rewards)
+    assert abs(v - rewards.var(unbiased=False).item()) < 1e-7  # initialised at the first value
+    assert abs(extra.update_var_ema(ema, "x", torch.ones(3)) - 0.9 * v) < 1e-7
+    out = extra.bonus_before_norm(rewards, correct, d, alpha=0.5, var_ema=v, lam=1.0)
+    # scaled by the group's largest novelty (0.8), damped by exp(-v), only where correct
+    assert torch.allclose(out, rewards + 0.5 * torch.tensor([0.25, 0.5, 0.0]) * math.exp(-v))
+
+
+def test_novelty_warmup_history_duplicates_and_self():  # property 4
+    g = torch.Generator().manual_seed(1)
+    n, H = 4, 6
+    group = torch.arange(1).repeat_interleave(n)
+    memories = {}
+    first = unit(torch.randn(n, 8, generator=g))
+    assert torch.equal(extra.group_novelty(memories, [("x",)], group, first, H), torch.zeros(n))  # |M| = 0 < n
+    second = unit(torch.randn(n, 8, generator=g))
+    d = extra.group_novelty(memories, [("x",)], group, second, H)
+    assert (d > 0).all()  # history exists and the embeddings differ
+    pool = torch.cat([first, second])
+    cos = second @ pool.T
+    cos[torch.arange(n), n + torch.arange(n)] = -2  # self masked
+    assert torch.allclose(d, (1 - cos.max(1).values).clamp(min=0), atol=1e-3)  # fp16 memory
+    assert len(memories[("x",)]) == H  # FIFO: 8 pushed, H kept
+    # duplicates: a rollout identical to a sibling has novelty 0; a distinct one is never compared with itself
+    dup = torch.cat([second[:1], second[:1], unit(torch.randn(2, 8, generator=g))])
+    d = extra.novelty(dup, torch.cat([first, second]), n)
+    assert d[0] == 0 and d[1] == 0 and (d[2:] > 0).all()
+    empty = torch.cat([torch.zeros(2, 8), second[:2]])  # empty answers embed to zero vectors
+    assert extra.novelty(empty, first, n)[:2].tolist() == [0.0, 0.0]
+    # other prompts' memories are separate (exact key)
+    assert torch.equal(extra.group_novelty(memories, [("y",)], group, second, H), torch.zeros(n))
+
+
+def test_novelty_on_policy_embeddings(model):
+    """Embeddings from the policy itself: the same text twice is not novel, a different one is."""
+    seqs = [[5, 6, 7, 8], [5, 6, 7, 8], [900, 901, 33], [77, 78, 79, 80, 81]]
+    emb = extra.embed(model, seqs)
+    d = extra.novelty(emb, emb[2:], n=2)
+    assert d[0].abs() < 1e-5 and d[1].abs() < 1e-5 and (d[2:] > 0).all()
+
+
+def test_response_tail():
+    toks = list(range(10, 30)) + [2]  # 20 tokens then the stop token
+    assert extra.response_tail(toks, {2}, tail=8, head=5) == list(range(22, 27))
+
+
+# --------------------------------------------------------- prefix regeneration (properties 5-7, 9, 10)
+
+def test_hard_prompts():  # property 5
+    correct = torch.zeros(4, 6)
+    for r, k in enumerate([0, 1, 2, 6]):
+        correct[r, :k] = 1
+    assert extra.is_hard(correct).tolist() == [True, True, False, False]
+
+
+def test_newline_ids_smollm2():
+    tok = Tokenizer.from_pretrained("smollm2")
+    ids = extra.newline_ids(tok)
+    assert ids and all(tok.decode([i]) in ("\n", "\n\n") for i in ids)
+    assert tok.encode("x.\n\n")[-1] not in ids or tok.decode([tok.encode("x.\n\n")[-1]]) in ("\n", "\n\n")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefix_cuts_and_mte(seed):  # property 6
+    g = torch.Generator().manual_seed(seed)
+    NL = 198
+    tokens = torch.randint(3, 50, (300,), generator=g)
+    tokens[torch.rand(300, generator=g) < 0.15] = NL
+    tokens = tokens.tolist()
+    ent = torch.rand(300, generator=g)
+    for gap in (1, 8, 32):
+        cuts = extra.prefix_cuts(tokens, {NL}, gap, max_cuts=15)
+        assert 1 <= len(cuts) <= 15
+        assert all(tokens[b - 1] == NL for b in cuts)  # right after a line break
+        assert all(b2 - b1 >= gap for b1, b2 in zip(cuts, cuts[1:])) and cuts[0] >= gap
+        assert all(b < len(tokens) for b in cuts)  # strict prefixes
+        mte = extra.prefix_mte(ent, cuts)
+        assert torch.allclose(mte, torch.stack([ent[:b].mean() for b in cuts]))
+
+
+def test_prefix_cuts_edge_cases():
+    NL = 198
+    assert extra.prefix_cuts([5, 6, 7], {NL}, 1) == []  # no line break, no prefix
+    assert extra.prefix_cuts([5, 6, NL, 7], {NL}, 1) == [3]  # a single boundary is kept
+    assert extra.prefix_cuts([5, NL, 6, NL, 7], {NL}, 1) == [2]  # of two, the last is dropped
+    assert extra.prefix_cuts([5, NL, 6, NL, 7], {NL}, 3) == [4]  # thinning: the first is too close to the start
+    many = ([5] * 3 + [NL]) * 40
+    cuts = extra.prefix_cuts(many, {NL}, 4, max_cuts=15)
+    assert len(cuts) == 15 and cuts == sorted(set(cuts))
+
+
+def test_select_prefix():  # property 7
+    mte = torch.tensor([0.5, 0.2, 0.9, 0.3])
+    assert extra.select_prefix(torch.eye(4), mte, tau=1e-4) == 1  # τ→0, orthogonal: the raw argmin
+    same = torch.ones(4, 3)
+    assert extra.select_prefix(same, mte, tau=0.1) == 0  # identical: all equal the mean, the first wins
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        k = int(torch.randint(1, 9, (1,), generator=g))
+        assert 0 <= extra.select_prefix(torch.randn(k, 5, generator=g), torch.rand(k, generator=g), 0.1) < k
+    # smoothing: a low-MTE prefix among similar high-MTE ones loses to a moderately low isolated one
+    emb = torch.tensor([[1.0, 0.0], [0.99, 0.14], [0.98, 0.2], [0.0, 1.0]])
+    assert extra.select_prefix(emb, torch.tensor([0.1, 0.9, 0.9, 0.3]), tau=0.1) == 3
+
+
+def test_guided_context_queue_and_inject():  # properties 8-10 (the parts without a model)
+    assert extra.guided_context([1, 2, 3], [4, 5], 10) == [1, 2, 3, 4, 5]
+    assert extra.guided_context([1, 2, 3], [4, 5], 4) == [1, 2, 3, 4]  # head kept
+    queue = extra.push_queue([], [dict(context=[i], answer=str(i)) for i in range(5)], max_size=3)
+    assert [q["answer"] for q in queue] == ["2", "3", "4"]  # overflow drops the oldest
+    contexts, answers = [[10], [11], [12], [13]], ["a", "b", "c", "d"]
+    c, a, guided, rest = extra.inject(contexts, answers, queue, k=2)
+    assert c == [[10], [11], [2], [3]] and a == ["a", "b", "2", "3"]  # the tail rows, graded by their own answer
+    assert guided.tolist() == [False, False, True, True] and [q["answer"] for q in rest] == ["4"]  # FIFO pop
+    c, a, guided, rest = extra.inject(contexts, answers, rest, k=3)
+    assert guided.sum() == 1 and rest == []  # at most what the queue holds
+    c, a, guided, rest = extra.inject(contexts[:1], answers[:1], queue, k=3)
+    assert guided.sum() == 1 and len(rest) == 2  # at most the batch
+
+
+def test_regenerate_stores_selects_and_queues():
+    NL = 198
+    cfg = extra.Config(boundary_gap=2, max_prefixes=15, prefix_memory=5, tau=0.1, max_prompt_len=100,
+                       cuttable_only=True, embed_tokens=256)
+    state = {"prefixes": {}}
+    tokens = [[7, 8, NL, 9, 10, NL, 11, 2], [3, 4, 2], [7, 8, NL, 5, 6, NL, 12, 2]]
+    ent = [torch.tensor([0.5, 0.5, 0.1, 0.9, 0.9, 0.1, 0.3, 0.1]), torch.full((3,), 0.01), torch.ones(8)]
+    fake = lambda seqs: unit(torch.tensor([[len(s), 1.0] for s in seqs]))  # noqa: E731
+    items, stored = extra.regenerate(state, [([1, 2], "42", tokens, ent)], fake, {NL}, cfg)
+    # rollout 1 is the most confident but has no line break: the most confident cuttable one (0) is cut
+    assert stored == 1 and state["prefixes"][(1, 2)][0]["ids"] == [7, 8, NL]
+    assert items == [dict(context=[1, 2, 7, 8, NL], answer="42")]
+    assert abs(state["prefixes"][(1, 2)][0]["mte"] - ent[0][:3].mean().item()) < 1e-6
+    cfg.cuttable_only = False
+    items, stored = extra.regenerate(state, [([1, 2], "42", tokens, ent)], fake, {NL}, cfg)
+    assert items == [] and stored == 0  # the paper's rule: the most confident rollout has no break
+    cfg.cuttable_only = True
+    for _ in range(4):
+        extra.regenerate(state, [([1, 2], "42", tokens, ent)], fake, {NL}, cfg)
+    assert len(state["prefixes"][(1, 2)]) == 5  # prefix memory is a FIFO of prefix_memory entries
+
+
+def test_token_entropy_bounds(model):  # property 11
+    """The regeneration's entropies: the trainer's scoring pass at T = 1, over the whole vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(3, 5000, (5,), generator=g).tolist() for _ in range(2)]
+    tokens = [torch.randint(3, 5000, (7,), generator=g).tolist() for _ in range(2)]
+    groups = [[Sample(t, torch.zeros(7), torch.zeros(7), True)] for t in tokens]
+    b = extra.to_batch(contexts, groups, ["1", "2"], group_ids=range(2))
+    _, ent = extra.trainer_logprobs(model, b, 16, 1.0, 0, torch.device("cpu"), contextlib.nullcontext())
+    with torch.no_grad():
+        logits = torch.stack([model(torch.tensor([c + t]))[0, len(c) - 1:-1] for c, t in zip(contexts, tokens)])
+    logp = logits.float().log_softmax(-1)
+    assert (ent >= 0).all() and (ent <= math.log(model.cfg.vocab_size) + 1e-4).all()
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1).flatten(), atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ the loop itself
+
+@pytest.fixture(scope="module")
+def line_model_dir(tiny_model_dir, tmp_path_factory):
+    """A tiny model that writes digits and line breaks only (its untied LM head scores nothing else), so that
+    completions have cut points, some are right, and both mechanisms act within a few steps."""
+    import shutil
+
+    m = Transformer.from_pretrained(tiny_model_dir)
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    ids = [tok.encode(str(d))[0] for d in range(10)] + [tok.encode("\n")[0]]
+    m.cfg.tie_word_embeddings = False
+    head = torch.zeros_like(m.lm_head.weight)
+    head[ids] = 3.0 * torch.randn(len(ids), head.shape[1], generator=torch.Generator().manual_seed(0))
+    m.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    m.lm_head.weight.data.copy_(head)
+    folder = tmp_path_factory.mktemp("lines") / "model"
+    m.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    return folder
+
+
+def host_args(model_dir, tmp_path):
+    """Options both grpo.py and extra.py take: three prompts that keep coming back."""
+    task = tmp_path / "say.jsonl"
+    # three train prompts (and one held out, by the task's hash split) whose answers the line model writes
+    # last now and then, each about 15-40% of the time
+    task.write_text("".join(json.dumps({"prompt": f"Say {p}", "answer": a}) + "\n" for p, a in
+                            (("nine", "9"), ("three", "4063"), ("five", "40"), ("zero", "9"))))
+    return ["--model", str(model_dir), "--task", str(task), "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "12", "--eval-size", "2", "--micro-batch", "8", "--eval-every", "100",
+            "--lr", "1e-5", "--temperature", "1.0", "--dtype", "float32"]
+
+
+# ExTra's options for the tiny runs: regeneration from step 2, cut points 2 tokens apart, one guided row a step
+EXTRA_ARGS = ["--boundary-gap", "2", "--regen-warmup", "1", "--regen-rows", "1", "--memory-size", "4"]
+
+
+def metrics(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(tmp_path, name):
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")}
+            for r in metrics(tmp_path, name) if "reward/mean" in r}
+
+
+def weights(tmp_path, name):
+    return load_file(str(tmp_path / "runs" / name / "checkpoint" / "model.safetensors"))
+
+
+def test_mechanisms_off_is_a_grpo_step(tmp_path, line_model_dir, monkeypatch):  # property 1
+    """--no-novelty --no-regen: one step of extra.py gives exactly grpo.py's weights with the same options
+    (ExTra's dual clip stays on: it cannot bind at ratio 1)."""
+    monkeypatch.chdir(tmp_path)
+    host = [*host_args(line_model_dir, tmp_path), "--steps", "1"]
+    grpo.main([*host, "--kl-coef", "0.001", "--run-name", "g"])
+    extra.main([*host, *EXTRA_ARGS, "--no-novelty", "--no-regen", "--run-name", "x"])
+    g, x, init = weights(tmp_path, "g"), weights(tmp_path, "x"), load_file(str(line_model_dir / "model.safetensors"))
+    assert g.keys() == x.keys() and all(torch.equal(g[k], x[k]) for k in g)
+    assert any(not torch.equal(g[k], init[k]) for k in g)  # the step did move the weights
+    gm, xm = train_rows(tmp_path, "g")[1], train_rows(tmp_path, "x")[1]
+    assert {k: v for k, v in xm.items() if not k.startswith("extra/")} == gm
+
+
+def test_both_mechanisms_act_in_the_loop(tmp_path, line_model_dir, monkeypatch):  # properties 8-10 in main()
+    """Spy on the loop: which contexts are sampled, which answers grade them, what the update trains on."""
+    monkeypatch.chdir(tmp_path)
+    tok = Tokenizer.from_pretrained(line_model_dir)
+    prompt_of = {tuple(tok.prompt(extra.format_question(p))): p.answer
+                 for p in extra.load_task(str(host_args(line_model_dir, tmp_path)[3]), "train")}
+    seen = []  # per step: (contexts, n, answers graded per completion, the trained batch)
+    real_generate, real_score, real_update = extra.generate, extra.score, extra.update
+    monkeypatch.setattr(extra, "generate", lambda m, ctx, n, **k: seen.append([ctx, n, [], None]) or real_generate(m, ctx, n, **k))
+    monkeypatch.setattr(extra, "score", lambda t, a: seen[-1][2].append(a) or real_score(t, a))
+    monkeypatch.setattr(extra, "update", lambda pol, m, o, b, *a, **k: seen[-1].__setitem__(3, b) or real_update(pol, m, o, b, *a, **k))
+    warmup = 1
+    extra.main([*host_args(line_model_dir, tmp_path), *EXTRA_ARGS, "--steps", "6", "--run-name", "on",
+                "--queue-size", "3"])
+    rows = train_rows(tmp_path, "on")
+    seen = [s for s in seen if s[3] is not None]  # training steps only (evaluation samples too)
+    assert len(seen) == 6
+    for step, (ctx, n, answers, b) in enumerate(seen, start=1):
+        r = rows[step]
+        assert r["extra/queue_len"] <= 3
+        if step <= warmup:  # property 9: nothing stored, queued or injected before the warm-up ends
+            assert r["extra/prefixes_stored"] == r["extra/queue_len"] == r["extra/guided_rows"] == 0
+        guided = [c for c in ctx if tuple(c) not in prompt_of]
+        assert len(guided) == r["extra/guided_rows"] <= 1 and ctx[len(ctx) - len(guided):] == guided  # the tail rows
+        for i, c in enumerate(ctx):
+            origin = [p for p in prompt_of if tuple(c[:len(p)]) == p]
+            assert len(origin) == 1  # property 8: prompt ++ prefix
+            assert answers[i * n:(i + 1) * n] == [prompt_of[origin[0]]] * n  # property 10: the origin's answer
+            own = slice(i * n, (i + 1) * n)  # row i's completions in the flat batch
+            assert all(x == c for x in b.context[own]) and (b.group == b.group[i * n]).sum() == n  # its own group of n
+            assert b.skip[own].sum() == 0  # the prefix is context: no completion token of it is trained
+    assert sum(r["extra/guided_rows"] for r in rows.values()) >= 2
+    assert sum(r["extra/prefixes_stored"] for r in rows.values()) > 0
+    assert max(r["extra/novelty"] for r in rows.values()) > 0 and rows[1]["extra/novelty"] == 0
+    assert max(r["extra/bonus_share"] for r in rows.values()) > 0
+
+
+def test_resume_gives_the_same_run(tmp_path, line_model_dir, monkeypatch):
+    """Memories, prefix memories and the queue travel in the checkpoint: a cut run continues exactly."""
+    monkeypatch.chdir(tmp_path)
+    common = [*host_args(line_model_dir, tmp_path), *EXTRA_ARGS]
+    extra.main([*common, "--steps", "4", "--run-name", "full"])
+    extra.main([*common, "--steps", "2", "--run-name", "cut"])
+    extra.main([*common, "--steps", "4", "--run-name", "cut", "--resume"])
+    full, cut = train_rows(tmp_path, "full"), train_rows(tmp_path, "cut")
+    assert sorted(cut) == [1, 2, 3, 4]
+    assert full[2]["extra/queue_len"] > 0 and full[3]["extra/guided_rows"] > 0  # the queue crossed the cut
+    assert full[3]["extra/novelty"] > 0  # and so did the novelty memory
+    for step in (3, 4):
+        assert cut[step] == full[step], step
+    f, c = weights(tmp_path, "full"), weights(tmp_path, "cut")
+    assert all(torch.equal(f[k], c[k]) for k in f)
+
+
+def test_smoke_default_options(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """main() with the defaults but a tiny model and budget: runs, evaluates, saves ExTra's state."""
+    monkeypatch.chdir(tmp_path)
+    extra.main(["--model", str(tiny_model_dir), "--steps", "2", "--run-name", "smoke", "--prompts-per-step", "2",
+                "--group-size", "2", "--memory-size", "2", "--max-new-tokens", "6", "--eval-size", "3",
+                "--micro-batch", "2", "--dtype", "float32"])
+    rows = metrics(tmp_path, "smoke")
+    assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2]
+    assert [row["step"] for row in rows if "eval/greedy_acc" in row] == [0, 2]
+    assert all("extra/novelty" in row for row in rows if "reward/mean" in row)
+    assert "done: greedy accuracy" in capsys.readouterr().out
+    state = torch.load(tmp_path / "runs" / "smoke" / "checkpoint" / "trainer.pt", weights_only=False)["extra"]
+    assert set(state["extra_state"]) == {"novelty", "var_ema", "prefixes", "queue"}
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--memory-size", "2", "--group-size", "4"], ["--memory-size", "at least group_size"]),
+    (["--tau", "0"], ["tau"]),
+    (["--dual-clip", "0.5"], ["--dual-clip"]),
+    (["--novelty-mode", "sideways"], ["--novelty-mode", "invalid choice"]),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys, args, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        main_guard(lambda: extra.main(["--model", str(tiny_model_dir), "--run-name", "bad", *args]))
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_option_a_in_the_loop(tmp_path, line_model_dir, monkeypatch):
+    """--novelty-mode before: the bonus enters the rewards (reward/mean moves), advantages are plain GRPO's."""
+    monkeypatch.chdir(tmp_path)
+    extra.main([*host_args(line_model_dir, tmp_path), *EXTRA_ARGS, "--steps", "3", "--run-name", "a",
+                "--novelty-mode", "before", "--alpha", "0.5", "--no-regen"])
+    rows = train_rows(tmp_path, "a")
+    assert any(r["reward/mean"] > r["reward/acc"] for r in rows.values() if r["extra/bonus_share"] > 0)
