@@ -3,6 +3,7 @@
 6: unbiasedness; 7: first mini-batch; 8: resampled ratio; 9: --pos-only; 10: the prior is frozen and only
 follows augmented rows)."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,17 +307,18 @@ def run_args(models, *more):
             "--dtype", "float32", *more]
 
 
-def rows_of(run, prefix=None):
+def rows_of(run):
+    """The training lines of runs/<run>/metrics.jsonl (in the current folder), by step."""
     import json
 
-    lines = (pytest.run_root / "runs" / run / "metrics.jsonl").read_text().splitlines()
+    lines = (Path("runs") / run / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines) if "reward/mean" in r}
 
 
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
+    """Run main() in a fresh folder: it writes runs/<name>/ there."""
     monkeypatch.chdir(tmp_path)
-    pytest.run_root = tmp_path
     return tmp_path
 
 
@@ -337,7 +339,7 @@ def recording(monkeypatch, module):
 def weights(run):
     from safetensors.torch import load_file
 
-    return load_file(str(pytest.run_root / "runs" / run / "checkpoint" / "model.safetensors"))
+    return load_file(str(Path("runs") / run / "checkpoint" / "model.safetensors"))
 
 
 def test_1_lambda_0_step_equals_grpo(in_tmp, models, monkeypatch):
@@ -407,6 +409,14 @@ def test_resume_gives_the_same_run(in_tmp, models):
         assert strip(cut[step]) == strip(full[step]), step
 
 
+def recording_correct(monkeypatch):
+    """Keep the per-completion correctness vector the loop computes (through eapo.pos_only_dropped)."""
+    seen = []
+    real = eapo.pos_only_dropped
+    monkeypatch.setattr(eapo, "pos_only_dropped", lambda correct, aug: seen.append(correct.clone()) or real(correct, aug))
+    return seen
+
+
 def test_9_pos_only_in_the_loop(in_tmp, models, monkeypatch):
     """--pos-only: incorrect augmented completions get no loss tokens; advantages are those of the whole group."""
     seen = {}
@@ -427,14 +437,6 @@ def test_9_pos_only_in_the_loop(in_tmp, models, monkeypatch):
     aug[eapo.augmented_rows(2, 8, 4)] = True
     dropped = aug & (correct[-1] == 0)
     assert dropped.any() and torch.equal(skip1, torch.where(dropped, lengths, 0))
-
-
-def recording_correct(monkeypatch):
-    """Keep the per-completion correctness vector the loop computes (through eapo.pos_only_dropped)."""
-    seen = []
-    real = eapo.pos_only_dropped
-    monkeypatch.setattr(eapo, "pos_only_dropped", lambda correct, aug: seen.append(correct.clone()) or real(correct, aug))
-    return seen
 
 
 def run_cli(capsys, *args):
