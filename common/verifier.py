@@ -870,11 +870,16 @@ def answer_key(s: str) -> str:
         x = _number(n)
         if x is not None:
             return str(x)
+        if _TEXT.match(n):
+            return n.casefold()
         tree = _parse(n)
-        if tree is None or _TEXT.match(n):
-            return n.casefold() if _TEXT.match(n) else n
-        names = sorted(_names(tree, set()))
-        return ",".join(names) + ":" + _key(tree, _point(set(names), 0))
+        if tree is not None:
+            try:
+                names = _names(tree, set())
+                return ",".join(sorted(names)) + ":" + _key(tree, _point(names, 0))
+            except Exception:  # an equation, a base-b number, a pole: keyed by its text
+                pass
+        return n
     except Exception:
         return s
 
