@@ -263,7 +263,7 @@ def _number(s: str) -> Fraction | None:
 # ------------------------------------------------------------------ symbolic path: parse
 
 _TOK = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([-+]?\d{1,3})(?![\w.]))?"  # 12, 0.5, 1.5e-3
-                  r"|\\begin\{(\w+)\}(?:\{[a-z|]*\})?|\\end\{\w+\}"  # matrices; array's {cc} skipped
+                  r"|\\begin\{(\w+)\}(?:(?<=\{array\})\{[lcr|]*\})?|\\end\{\w+\}"  # matrices; array's {cc} skipped
                   r"|\\\\|\\[{}|]|\\([a-zA-Z]+)|([a-zA-Z])|(\S)")
 _FUNCS = {"sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan, "cot": lambda z: 1 / cmath.tan(z),
           "sec": lambda z: 1 / cmath.cos(z), "csc": lambda z: 1 / cmath.sin(z), "arcsin": cmath.asin,
