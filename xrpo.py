@@ -62,11 +62,11 @@ class Config:
     steps: int = 15  # training steps
     prompts_per_step: int = 8  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: rollouts per prompt on average: a step samples B×G in all, as grpo.py does
-    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (XRPO §3.2; keep >= 3, the t-interval needs n >= 2)
+    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (XRPO §3.2; >= 3 advised, >= 2 required)
     rounds: int = 2  # N_plan: rounds that split the other B×(G - n_base) rollouts by priority Π (§3.2)
     alloc: str = "proportional"  # proportional (T·Π/ΣΠ, largest remainder) or greedy (one unit at a time, eq. 3)
     alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (Table 4b)
-    alloc_conf: float = 0.95  # confidence level of the Student-t interval behind Δ (Table 4b)
+    alloc_conf: float = 0.95  # confidence level of the t-interval behind Δ (our reading of Table 4b's "α" column)
     max_new_tokens: int = 96  # L_max: completion budget in tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
@@ -74,7 +74,7 @@ class Config:
     # ICL seeding (XRPO §3.2, App. C)
     icl: bool = True  # sample a prompt with no correct rollout yet from an in-context prompt of solved neighbours
     icl_shots: int = 2  # K: verified solutions of similar other problems shown
-    icl_max_len: int = 1024  # longest in-context prompt in tokens; exemplar solutions are shortened to fit
+    icl_max_len: int = 1024  # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192)
     icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent
     # novelty-guided advantage sharpening (XRPO §3.3, eq. 6)
     nov_lambda: float = 2.5  # λ_nov: bonus strength; 0 = off
@@ -87,7 +87,7 @@ class Config:
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
     tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
-    kl_coef: float = 0.001  # β: k3 KL to the initial model (XRPO §4.1); 0 loads no reference model
+    kl_coef: float = 0.001  # β: KL to the initial model (XRPO §4.1; k3 estimator: ours); 0 loads no reference
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
@@ -161,7 +161,7 @@ def check_context(model, tok, problems, cfg):
     check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
           f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
     check(not cfg.icl or longest <= cfg.icl_max_len <= limit - cfg.max_new_tokens, "icl_max_len",
-          f"between the longest prompt ({longest} tokens) and {limit - cfg.max_new_tokens} (model positions - max_new_tokens)")
+          f"between the longest prompt ({longest} tokens) and {limit - cfg.max_new_tokens} (positions - max_new_tokens)")
 
 
 # ----------------------------------------------------------------------------- rewards -> advantages
@@ -245,7 +245,7 @@ def t_quantile(p: float, dof: int) -> float:
 
 def ci_shrink(s: float, n: int, conf: float) -> float:
     """Δ_q (eq. 2): how much one more rollout narrows the Student-t confidence interval of the prompt's mean
-    reward, holding its std s fixed. 0 for s = 0, and for n < 2, where the interval is undefined."""
+    reward, holding its std s fixed. 0 for s = 0, and (our choice) for n < 2, where the interval is undefined."""
     if s == 0 or n < 2:
         return 0.0
     p = (1 + conf) / 2  # two-sided interval at confidence `conf`: the 1 - α/2 quantile
@@ -418,7 +418,8 @@ class Corpus:
         return [cands[i] for i in order[:k]]
 
     def exemplars(self, problem: str, k: int) -> list[tuple[str, str]]:
-        """Up to k (neighbour statement, its most recent verified solution) pairs."""
+        """Up to k (neighbour statement, one verified solution) pairs: the neighbour's most recent solution (our
+        choice: the freshest is closest to the current policy)."""
         return [(p, self.solutions[p][-1]) for p in self.neighbours(problem, k)]
 
     def state_dict(self) -> dict:
@@ -447,7 +448,7 @@ def sharpen(adv, correct, score, group, lam_nov: float, kappa: float, all_correc
     that degenerate groups gain signal (§3.3)."""
     n_groups = int(group.max()) + 1 if len(group) else 0
     sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, score.double())
-    counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(score, dtype=torch.float64))
+    counts = torch.bincount(group, minlength=n_groups).double()
     mean = (sums / counts)[group]  # s̄ of each rollout's group
     eta = torch.exp(score.double() - mean)
     cap = kappa * adv.double()
@@ -467,6 +468,9 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
     """Alg. 1 lines 4-16: n_base rollouts of every prompt, then cfg.rounds rounds, each splitting its budget T by the
     priorities of the rewards so far and sampling a prompt with no correct rollout yet from its in-context prompt.
     Prompt q's group is all its rollouts, whatever round and context they came from.
+    ICL rollouts keep the in-context prompt as their context, so they also train on it (our choice: the paper does
+    not say; this keeps the ratio a true importance ratio). Under torchrun each rank plans its own prompts with its
+    share of the budget (our choice: no communication inside the sampling phase).
     Returns the flat Batch, each rollout's text and 0/1 verifier score [N], whether its context was an in-context
     prompt [N] (bool), and how many rollouts each prompt got."""
     B, answers = len(problems), [p.answer for p in problems]
@@ -504,27 +508,41 @@ def gather(items: list) -> list:
 def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corpus) -> dict:
     """The evidence that XRPO's mechanisms act: uneven allocation, ICL use and success, bonuses, corpus size.
     per_prompt [B]: rollouts of each prompt; group, icl, correct [N]: all rollouts; kept_correct, bonus: those trained
-    on (dynamic sampling may drop groups)."""
+    on (dynamic sampling may drop groups). Counts here are summed over ranks; xrpo_rates turns them into rates."""
     n, B = torch.tensor(per_prompt, dtype=torch.float), len(per_prompt)
     seeded, solved = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
     seeded[group[icl]] = True
     solved[group[icl & (correct == 1)]] = True  # ICL broke the prompt's zero-reward symmetry
-    mean = lambda x: x.float().mean().item() if len(x) else float("nan")  # noqa: E731
     G, base = cfg.group_size, cfg.base_rollouts
+    share = lambda mask: mask.float().mean().item()  # noqa: E731
     return {
         "xrpo/rollouts_mean": n.mean().item(), "xrpo/rollouts_min": n.min().item(), "xrpo/rollouts_max": n.max().item(),
         "xrpo/rollouts_std": n.std().item() if B > 1 else 0.0,
         # histogram: shares of prompts with n_base only, fewer than G, G to 2G-1, 2G or more rollouts
-        "xrpo/hist_base": mean(n == base), "xrpo/hist_below_G": mean((n > base) & (n < G)),
-        "xrpo/hist_G_to_2G": mean((n >= G) & (n < 2 * G)), "xrpo/hist_2G_up": mean(n >= 2 * G),
-        "xrpo/icl_share": mean(icl), "xrpo/icl_acc": mean(correct[icl]), "xrpo/plain_acc": mean(correct[~icl]),
+        "xrpo/hist_base": share(n == base), "xrpo/hist_below_G": share((n > base) & (n < G)),
+        "xrpo/hist_G_to_2G": share((n >= G) & (n < 2 * G)), "xrpo/hist_2G_up": share(n >= 2 * G),
         "xrpo/seeded_prompts": float(seeded.sum()), "xrpo/seeded_solved": float(solved.sum()),
-        "xrpo/bonus_share": mean(bonus[kept_correct == 1] > 0), "xrpo/bonus_mean": mean(bonus[bonus > 0]),
+        "xrpo/icl_rollouts": float(icl.sum()), "xrpo/icl_correct": float(correct[icl].sum()),
+        "xrpo/plain_rollouts": float((~icl).sum()), "xrpo/plain_correct": float(correct[~icl].sum()),
+        "xrpo/bonus_given": float((bonus > 0).sum()), "xrpo/bonus_sum": float(bonus.sum()),
+        "xrpo/correct_trained": float((kept_correct == 1).sum()),
         "xrpo/corpus_size": float(corpus.size()), "xrpo/corpus_problems": float(len(corpus.solutions)),
     }
 
 
-XRPO_SUMS, XRPO_MAXES = ("xrpo/seeded_prompts", "xrpo/seeded_solved"), ("xrpo/rollouts_max",)
+def xrpo_rates(m: dict) -> dict:
+    """Rates from the counts summed over ranks; null (NaN) where nothing was counted (no ICL rollout, no bonus)."""
+    rate = lambda a, b: m[a] / m[b] if m[b] else float("nan")  # noqa: E731
+    return {"xrpo/icl_share": m["xrpo/icl_rollouts"] / (m["xrpo/icl_rollouts"] + m["xrpo/plain_rollouts"]),
+            "xrpo/icl_acc": rate("xrpo/icl_correct", "xrpo/icl_rollouts"),
+            "xrpo/plain_acc": rate("xrpo/plain_correct", "xrpo/plain_rollouts"),
+            "xrpo/bonus_share": rate("xrpo/bonus_given", "xrpo/correct_trained"),  # of the correct rollouts
+            "xrpo/bonus_mean": rate("xrpo/bonus_sum", "xrpo/bonus_given")}  # over the rollouts given one
+
+
+XRPO_SUMS = ("xrpo/seeded_prompts", "xrpo/seeded_solved", "xrpo/icl_rollouts", "xrpo/icl_correct", "xrpo/plain_rollouts",
+             "xrpo/plain_correct", "xrpo/bonus_given", "xrpo/bonus_sum", "xrpo/correct_trained")
+XRPO_MAXES = ("xrpo/rollouts_max",)
 
 
 # ------------------------------------------------------------------------------------------ update
@@ -722,12 +740,16 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        bonus = torch.zeros_like(adv)  # XRPO §3.3: correct rollouts less likely than their group's average gain
-        if cfg.nov_lambda > 0:  # s(y) (eq. 4) from π_old, each rollout in the context it is trained with
+        # XRPO §3.3: a correct rollout that the policy finds less likely than its group does on average gains a
+        # bonus. s(y) (eq. 4) from the trainer's π_old, in the context trained with (our choice: eq. 4 writes π_θ,
+        # which equals π_old before the update; the sampler's log-probs would be noisier)
+        bonus = torch.zeros_like(adv)
+        if cfg.nov_lambda > 0:
             adv, bonus = sharpen(adv, correct[keep], sequence_scores(old_logp, b.lengths), b.group, cfg.nov_lambda,
                                  cfg.nov_kappa, cfg.nov_all_correct)
         # Alg. 1 line 18: the step's correct rollouts join the corpus (every rank's: the corpus stays one)
-        update_corpus(corpus, gather([problems[q].prompt for q in b_all.group]), gather(texts), gather(correct_all.tolist()))
+        update_corpus(corpus, gather([problems[q].prompt for q in b_all.group]), gather(texts),
+                      gather(correct_all.tolist()))
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
@@ -745,7 +767,8 @@ def main(argv=None):
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = scheduler.get_last_lr()[0]
         metrics.update(xrpo_metrics(per_prompt, cfg, b_all.group, icl, correct_all, correct[keep], bonus, corpus))
-        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS + XRPO_SUMS, maxes=METRIC_MAXES + XRPO_MAXES))
+        metrics = dist.reduce_metrics(metrics, sums=METRIC_SUMS + XRPO_SUMS, maxes=METRIC_MAXES + XRPO_MAXES)
+        log.log(step, {**metrics, **xrpo_rates(metrics)})
         if step % cfg.eval_every == 0 or step == cfg.steps:
             with autocast:
                 last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)

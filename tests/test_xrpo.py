@@ -119,7 +119,8 @@ def test_7_trigger_exemplars_and_fallback(corpus, tok):
     # empty corpus: every context is the plain prompt, identical
     ctx = xrpo.round_contexts(tok, PROBLEMS, plain, [[0, 0]] * 4, alloc, corpus, 2, 1024)
     assert all(ids == p and not is_icl for (ids, is_icl), p in zip(ctx, plain))
-    xrpo.update_corpus(corpus, PROBLEMS, ["a \\boxed{7}", "b \\boxed{42}", "c \\boxed{7}", "d \\boxed{53}"], [1, 1, 1, 0])
+    solutions = ["a \\boxed{7}", "b \\boxed{42}", "c \\boxed{7}", "d \\boxed{53}"]
+    xrpo.update_corpus(corpus, PROBLEMS, solutions, [1, 1, 1, 0])
     correct = [[0, 1], [0, 0], [0, 0], [0, 0]]
     ctx = xrpo.round_contexts(tok, PROBLEMS, plain, correct, alloc, corpus, 2, 1024)
     assert ctx[0] == (plain[0], False)  # a prompt with a correct rollout is never seeded
@@ -348,7 +349,8 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory):
     with torch.no_grad():  # the last prompt position's state is about the same for every prompt: aim the digits at it
         h = m(torch.tensor([tok.prompt("Say 0")]), return_hidden=True)[0, -1]
     head = torch.zeros_like(m.lm_head.weight)
-    head[digits] = 15 * h / h.norm() ** 2 + 0.1 * torch.randn(10, head.shape[1], generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(10, head.shape[1], generator=torch.Generator().manual_seed(1))
+    head[digits] = 15 * h / h.norm() ** 2 + 0.1 * noise
     m.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
     m.lm_head.weight.data.copy_(head)
     folder = tmp_path_factory.mktemp("digits") / "model"
