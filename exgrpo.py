@@ -518,8 +518,9 @@ def main(argv=None):
     state = checkpoint.load_trainer_state(ckpt) if ckpt else None
     if state is not None:
         check_resume(cfg, state["extra"].get("config", {}))
-        check(len(state["extra"]["exgrpo"]) == dist.world(), "resume", f"{len(state['extra']['exgrpo'])} processes, "
-              "as in the run being resumed (each keeps the buffer of its own questions)")
+        saved = state["extra"].get("exgrpo", [])
+        check(len(saved) == dist.world(), "resume", f"an exgrpo.py checkpoint written by {dist.world()} processes "
+              f"(this one holds {len(saved)} buffers: each process keeps the buffer of its own questions)")
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
@@ -559,7 +560,7 @@ def main(argv=None):
     exp, stream = Experience(G), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
     mixed = cfg.start_acc < 0  # our choice: a negative threshold mixes from step 1 (the paper's Llama-3.1-8B base run)
     if state is not None:
-        mine = state["extra"]["exgrpo"][dist.rank()]
+        mine = saved[dist.rank()]
         exp.load_state_dict(mine["buffer"])
         stream.load_state_dict(mine["stream"])
         mixed = mine["mixed"]

@@ -419,6 +419,15 @@ def test_resume_with_a_full_buffer_is_exact(in_tmp, soft_model_dir):
     train_a, train_b = ([key(r) for r in rs if "reward/acc" in r] for rs in (ra, rb))  # (halves also evaluated at 2)
     assert len(train_a) == 4 and train_a == train_b
     assert any(r["exgrpo/replay_share"] > 0 for r in train_a[2:])  # replay happened after the resume point
+    # a checkpoint without the buffers (e.g. grpo.py's) cannot be resumed: one line, exit 2
+    from common.config import main_guard
+    ckpt = in_tmp / "runs/straight/checkpoint/trainer.pt"
+    saved = torch.load(ckpt, weights_only=False)
+    del saved["extra"]["exgrpo"]
+    torch.save(saved, ckpt)
+    with pytest.raises(SystemExit) as e:
+        main_guard(lambda: exgrpo.main([*common, "--run-name", "straight", "--steps", "6", "--resume"]))
+    assert e.value.code == 2
 
 
 # ----------------------------------------------------------------------------- 11. constant normaliser
