@@ -1,4 +1,17 @@
-"""Data-parallel training on CPU with the gloo backend: 2 processes equal 1 process on the same global batch."""
+"""Data-parallel training on CPU with the gloo backend: 2 processes compute the update of 1 process on the
+same global batch, through common/dist.py (DDP and FSDP2) and through grpo.py; and grpo.py under torchrun.
+
+What is compared, and how closely. Splitting a batch over ranks changes the order of the float32 sums
+(per-rank partial sums, then the all-reduce), and so does the CPU (its vector width decides how matmuls and
+reductions are blocked). Reordering a sum of n terms moves it by at most about n·u·Σ|terms| (u = 2^-24).
+So we compare the all-reduced gradients, before any optimizer step, with one process's gradients, to within
+GRAD_RTOL of each tensor's largest |gradient|: far above rounding, far below a real error. Weights are
+compared after a plain SGD step, whose difference is lr times the gradients' plus the rounding of w.
+Not after AdamW: its first update lr·g/(|g| + eps) normalises each element, so where a gradient is near zero
+a rounding-sized difference in g becomes a visible one in the weight (1.45e-6 at lr 1e-3, in an earlier
+version of this test), while a gradient scaled by 2 gives the same step: the earlier test failed by that
+same 1.45e-6 with and without a forgotten world-size factor.
+"""
 import json
 import os
 import socket
@@ -11,7 +24,110 @@ import torch
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
+# Largest gradient difference allowed, as a share of the tensor's largest |gradient|. Measured on an AVX2
+# CPU: at most 1.2e-7 (every tensor, both tests, DDP and FSDP2), i.e. rounding; CPUs with other vector widths
+# block the same sums differently, within a small multiple of that. Real errors measured (each made on purpose
+# once): a forgotten world-size factor 0.5, token totals of one rank instead of all 1.15, every rank training
+# on the same share 1.94, gradients not all-reduced 1.0.
+GRAD_RTOL = 1e-4
+U = 2.0 ** -24  # fp32 unit roundoff
+LR = 0.1  # SGD step of the dist test: large, so that the update is far above the rounding of the weights
 
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank, world, port):
+    """This process becomes rank `rank` of `world` at the next dist.setup(), as under torchrun."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def assert_grads_close(two: dict, one: dict):
+    assert two.keys() == one.keys()
+    for k in one:
+        scale = one[k].abs().max().item()
+        err = (two[k] - one[k]).abs().max().item()
+        assert err <= GRAD_RTOL * scale, f"{k}: gradients differ by {err:.3g} = {err / scale:.3g} of the largest"
+
+
+# ------------------------------------------------------------- common/dist.py: a plain data-parallel step
+
+def global_batch(n=8, length=12, vocab=256):
+    """n token sequences with a loss on their last 1..length-1 tokens (the 'completion') and one advantage
+    each: a trainer's batch, the same in every process."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (n, length), generator=g)
+    n_loss = torch.randint(1, length, (n,), generator=g)  # [n] loss tokens per sequence, 1..length-1
+    loss_mask = torch.arange(length - 1) >= (length - 1 - n_loss)[:, None]  # [n, length-1] on the last n_loss
+    advantages = torch.randn(n, generator=g)
+    return list(zip(ids, loss_mask, advantages))
+
+
+def dp_step(fsdp: bool) -> dict:
+    """One training step the way the algorithm files take it, through common/dist.py: this rank's share of
+    the batch, the token-mean loss normalised by the global token count, micro-batches accumulated without
+    sync until the last, then an SGD step. Returns the whole gradients, their norm and the new weights."""
+    from common import dist
+    from common.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+                                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True))
+    policy = dist.wrap(model, fsdp=fsdp)
+    mine = dist.shard(global_batch())
+    n_tokens = dist.all_reduce_sum(torch.tensor(float(sum(m.sum() for _, m, _ in mine)))).item()
+    micro = [mine[i:i + 2] for i in range(0, len(mine), 2)]
+    for j, mb in enumerate(micro):
+        ids, loss_mask, adv = (torch.stack(x) for x in zip(*mb))
+        with dist.accumulate(policy, skip_sync=j < len(micro) - 1):
+            logp = torch.log_softmax(policy(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+            loss = -(adv[:, None] * logp * loss_mask).sum() / n_tokens  # token-mean over the global batch
+            (loss * dist.world()).backward()  # DDP and FSDP2 average gradients over ranks: undo the 1/world
+    params = dict(model.named_parameters(remove_duplicate=False))  # the tied lm_head too, as in the weights
+    grads = {k: dist.local(p.grad).clone() for k, p in params.items()}
+    norm = dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))).item()
+    with torch.no_grad():  # plain SGD (torch.optim would import torch._dynamo: seconds per process)
+        for p in model.parameters():
+            p -= LR * p.grad
+    return {"grads": grads, "norm": norm, "weights": dist.full_state_dict(model)}
+
+
+def dp_ranks(rank, world, port, out):
+    join(rank, world, port)
+    torch.set_num_threads(1)
+    from common import dist
+
+    dist.setup("cpu")
+    results = {"ddp": dp_step(fsdp=False), "fsdp2": dp_step(fsdp=True)}  # one process group, two models
+    if dist.is_main():
+        torch.save(results, out)
+    dist.cleanup()
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "two.pt"
+    mp.spawn(dp_ranks, args=(2, free_port(), out), nprocs=2, join=True)
+    return dp_step(fsdp=False), torch.load(out)  # one process (this one, not distributed), two processes
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_processes_equal_one(dp_results, mode):
+    one, two = dp_results[0], dp_results[1][mode]
+    assert_grads_close(two["grads"], one["grads"])
+    assert one["norm"] > 0 and abs(two["norm"] - one["norm"]) <= GRAD_RTOL * one["norm"]
+    assert two["weights"].keys() == one["weights"].keys() == one["grads"].keys()
+    for k, w in one["weights"].items():
+        grad_tol = GRAD_RTOL * one["grads"][k].abs().max().item()  # |w' - w''| <= lr |g' - g''| + rounding of w
+        torch.testing.assert_close(two["weights"][k], w, rtol=4 * U, atol=LR * grad_tol)
+    assert min(g.abs().max() for g in one["grads"].values()) * LR > 1e3 * U  # each step far above rounding
+
+
+# ------------------------------------------------------------------------------------------- grpo.py
 
 def fixed_generate(model, prompts, n=1, max_new_tokens=8, **kw):
     """Stand-in for the sampler: completions that depend only on the prompt (no sampling noise), so that
@@ -30,51 +146,63 @@ def fixed_generate(model, prompts, n=1, max_new_tokens=8, **kw):
     return out
 
 
-def run_rank(rank, world, port, argv, out_dir):
-    if world > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def grpo_ranks(rank, world, port, ports, argv, out_dir):
+    """grpo.main(argv) with fixed rollouts and rewards: on rank 0 first as one plain process, then on both
+    ranks under DDP and under FSDP2. Rank 0 saves, per run, the gradients the optimizer's first step
+    receives (after all micro-batches and the all-reduce), in the optimizer's parameter order."""
     torch.set_num_threads(1)
     os.chdir(out_dir)
-    import common.evaluate
+    import common.sampler
+    import common.verifier
+
+    # patched before grpo (and common.evaluate) import them, whatever names they import them under
+    common.sampler.generate = fixed_generate
+    common.verifier.score = lambda text, answer: float(len(text) % 3 == 0)  # mixed, deterministic rewards
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from common import dist
+
+    grads = {}
+
+    def record(optimizer, args, kwargs):
+        if not grads[run]:
+            grads[run] = [dist.local(p.grad).clone() for group in optimizer.param_groups for p in group["params"]]
+
+    register_optimizer_step_pre_hook(record)
     import grpo
 
-    grpo.generate = common.evaluate.generate = fixed_generate
-    grpo.score = lambda text, answer: float(len(text) % 3 == 0)  # mixed, deterministic rewards
-    grpo.main(argv)
+    runs = [("one", [])] if rank == 0 else []
+    runs += [("ddp", []), ("fsdp2", ["--fsdp"])]
+    for run, extra in runs:
+        if run != "one":
+            join(rank, world, ports[run])  # a fresh port for each process group
+        grads[run] = []
+        grpo.main(argv + ["--run-name", run] + extra)
+    if rank == 0:
+        torch.save(grads, Path("runs") / "grads.pt")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def weights(run_dir):
-    from safetensors.torch import load_file
-    return load_file(str(run_dir / "checkpoint" / "model.safetensors"))
-
-
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_two_processes_equal_one(tmp_path, tiny_model_dir, fsdp):
+@pytest.fixture(scope="module")
+def grpo_results(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("grpo")
+    # no clipping: a clipped gradient has norm 1 whatever its scale, which would hide a wrong normalisation
     argv = ["--model", str(tiny_model_dir), "--steps", "1", "--prompts-per-step", "4", "--group-size", "3",
-            "--micro-batch", "2", "--eval-size", "2", "--lr", "1e-3", "--dtype", "float32", "--warmup-steps", "1", "--train-size", "40"]
-    run_rank(0, 1, 0, argv + ["--run-name", "one"], tmp_path)
-    mp.spawn(run_rank, args=(2, free_port(), argv + ["--run-name", "two"] + (["--fsdp"] if fsdp else []), tmp_path),
-             nprocs=2, join=True)
-    one, two = weights(tmp_path / "runs/one"), weights(tmp_path / "runs/two")
-    base = weights_of_folder(tiny_model_dir)
-    assert any(not torch.equal(one[k], base[k]) for k in one)  # the update did change the weights
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], atol=1e-6, rtol=1e-5)
-    rows = [json.loads(line) for line in (tmp_path / "runs/two/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1]
+            "--micro-batch", "2", "--eval-size", "2", "--dtype", "float32", "--train-size", "40",
+            "--max-grad-norm", "1e9"]
+    ports = {"ddp": free_port(), "fsdp2": free_port()}
+    mp.spawn(grpo_ranks, args=(2, 0, ports, argv, tmp), nprocs=2, join=True)
+    return tmp, torch.load(tmp / "runs/grads.pt")
 
 
-def weights_of_folder(folder):
-    from safetensors.torch import load_file
-    return {("model." + k if not k.startswith(("model.", "lm_head")) else k): v
-            for k, v in load_file(str(folder / "model.safetensors")).items()}
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_grpo_two_processes_equal_one(grpo_results, mode):
+    tmp, grads = grpo_results
+    one, two = grads["one"], grads[mode]
+    assert one and len(two) == len(one) and all(g.abs().max() > 0 for g in one)
+    assert_grads_close(dict(enumerate(two)), dict(enumerate(one)))
+    rows = [json.loads(line) for line in (tmp / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1]  # one step, logged once (by rank 0)
+    assert (tmp / "runs" / mode / "checkpoint" / "model.safetensors").is_file()
 
 
 def test_torchrun_two_steps(tmp_path, tiny_model_dir):
