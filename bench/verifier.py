@@ -88,9 +88,10 @@ def agreement_table(rows: list[dict], verifiers: dict) -> None:
     """Real completions without labels: how often the two agree and who pays where they do not."""
     names = list(verifiers)
     print("\n## Real SmolLM2 completions (no labels): agreement\n")
-    print("| task | n | reward " + " | reward ".join(names) + " | agree | only " + " pays | only ".join(names)
-          + " pays | " + " | ".join(f"{n} CPU ms mean / max" for n in names) + " |")
-    print("|" + "---|" * (3 + 3 * len(names)) + ("---|" if len(names) == 1 else ""))
+    cols = ["task", "n"] + [f"reward {m}" for m in names] + ["agree"] + [f"only {m} pays" for m in names]
+    cols += [f"{m} CPU ms mean / max" for m in names]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
     by_task = defaultdict(list)
     for r in rows:
         by_task[r["task"]].append(r)
@@ -108,7 +109,7 @@ def agreement_table(rows: list[dict], verifiers: dict) -> None:
             agree = sum(x == y for x, y in zip(a, b))
             line += f" | {100 * agree / n:.1f}% | {sum(x > y for x, y in zip(a, b))} | {sum(y > x for x, y in zip(a, b))}"
         else:
-            line += " | - | -"
+            line += " | - | -"  # agreement needs two verifiers
         line += " | " + " | ".join(f"{1000 * sum(times[m]) / n:.2f} / {1000 * max(times[m]):.1f}" for m in names)
         print(line + " |")
 
