@@ -278,7 +278,7 @@ _OPS = {"cdot": "*", "times": "*", "ast": "*", "div": "/", "pm": "pm", "mp": "mp
         "frac": "frac", "sqrt": "sqrt", "binom": "binom", "dbinom": "binom", "tbinom": "binom",
         "lfloor": "lfloor", "rfloor": "rfloor", "lceil": "lceil", "rceil": "rceil"}
 _KNOWN = set(_FUNCS) | _GREEK | set(_CONSTS) | set(_OPS)
-_RELATIONS = {"=": "=", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!="}
+_RELATIONS = {"=", "<", ">", "<=", ">=", "!="}
 _MATRICES = {"pmatrix", "bmatrix", "Bmatrix", "matrix", "smallmatrix", "array"}
 _VALUES = {"pi": complex(math.pi), "e": complex(math.e), "i": 1j, "inf": math.inf}
 
@@ -358,7 +358,7 @@ class _Parser:
     def item(self):
         left = self.union()
         if self.i < len(self.t) and self.t[self.i][0] == "op" and self.t[self.i][1] in _RELATIONS:
-            op = _RELATIONS[self.take()[1]]
+            op = self.take()[1]
             right = self.union()
             if op in (">", ">="):  # a > b is b < a
                 op, left, right = op.replace(">", "<"), right, left
