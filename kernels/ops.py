@@ -223,7 +223,8 @@ def _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high,
     named = {**float_inputs, "shaped": shaped, "seq_ids": seq_ids}
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != logp.shape:
-            fail(f"{name} has shape {list(tensor.shape)}, expected logp's shape {list(logp.shape)} (broadcast it first)")
+            fail(f"{name} has shape {list(tensor.shape)}, expected logp's shape {list(logp.shape)} "
+                 "(broadcast it first)")
     for name, tensor in float_inputs.items():
         if tensor is not None and not tensor.is_floating_point():
             fail(f"{name} must be a float tensor, got {tensor.dtype}")

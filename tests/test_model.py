@@ -64,7 +64,8 @@ def test_hidden_states_and_fused_head_match_transformers(hf_tiny):
         target_mask = torch.rand(2, 12, generator=g) < 0.7
         logp, entropy = m(ids, targets=targets, target_mask=target_mask, temperature=0.7)
     logp_all = torch.log_softmax(theirs[target_mask] / 0.7, -1)  # [n, 256]
-    torch.testing.assert_close(logp, logp_all.gather(-1, targets[target_mask][:, None])[:, 0].float(), atol=1e-4, rtol=1e-4)
+    target_logp = logp_all.gather(-1, targets[target_mask][:, None])[:, 0]
+    torch.testing.assert_close(logp, target_logp.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(entropy, -(logp_all.exp() * logp_all).sum(-1).float(), atol=1e-4, rtol=1e-4)
 
 
