@@ -1,8 +1,10 @@
 """Evaluation math: pass@k and majority@k from n sampled completions per problem.
 
-pass@k is the unbiased estimator of Chen et al. 2021 (Codex): with n samples of which c are
-correct, the chance that a random k-subset holds at least one correct sample. maj@k asks whether
-the most common final answer (equivalent answers grouped by common.verifier.answer_key) is right.
+pass@k is the unbiased estimator of Chen et al. 2021 (Codex, arXiv 2107.03374, §2.1, Eq. 1): with n
+samples of which c are correct, the chance that a random k-subset holds at least one correct sample,
+1 - C(n-c, k) / C(n, k). maj@k asks whether the most common final answer (equivalent answers grouped by
+common.verifier.answer_key) is right: the majority vote of self-consistency (Wang et al. 2022,
+arXiv 2203.11171, §2).
 """
 
 from collections import Counter

@@ -66,7 +66,9 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
                 ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
                 seq_ids=None, sampler_logp=None, tis_cap=None):
     """Per-token policy-gradient loss: the clipped surrogate of PPO / GRPO and the options its variants use.
-    Every option has a neutral default; with all of them off this is the plain clipped surrogate.
+    Every option has a neutral default; with all of them off this is the plain clipped surrogate: PPO's
+    L^CLIP (arXiv 1707.06347, §3, Eq. 7) per token, as in GRPO (arXiv 2402.03300, §4.1.1, Eq. 3), with
+    DAPO's decoupled clip range eps_low / eps_high ("clip-higher", arXiv 2503.14476, §3.1).
 
         r     = exp(logp - old_logp)                                   the token's ratio, or with seq_ids
               = sg(s) exp(logp - sg(logp)),  s = exp(mean over the token's sequence of (logp - old_logp))
@@ -94,7 +96,8 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
       sampled (e.g. bf16 weights, while the update runs fp32 master weights): a constant factor
       min(pi_old / pi_sampler, tis_cap) on the surrogate, from "Your Efficient RL Framework Secretly
       Brings You Off-Policy RL Training" (Yao et al., 2025). tis_cap None: not truncated.
-    - ref_logp, kl_coef: the k3 estimator of KL(pi || pi_ref) (Schulman, "Approximating KL divergence").
+    - ref_logp, kl_coef: the k3 estimator of KL(pi || pi_ref) (Schulman, "Approximating KL divergence"),
+      as GRPO uses it (arXiv 2402.03300, §4.1.1, Eq. 4).
       The clamp keeps exp finite (ref_logp - logp > 88 would overflow fp32); where it is active the
       term is constant, so it contributes no gradient on those tokens: the KL stops pulling a token
       whose log-ratio to the reference is beyond +-10 nats (torch.clamp's gradient, kept by the kernel).

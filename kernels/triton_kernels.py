@@ -2,7 +2,8 @@
 to the references in kernels/reference.py when it cannot be imported.
 
 Log-probs + entropy, one program per row, two passes over the logits in all (forward + backward):
-  forward   reads each logit once: an online log-sum-exp that also carries sum(e^d d), which gives
+  forward   reads each logit once: an online log-sum-exp (the online softmax normaliser of Milakov and
+            Gimelshein, arXiv 1805.02867, §3, Algorithm 3) that also carries sum(e^d d), which gives
             the entropy without a second pass (d = (x - running max) / T, rescaled when the max moves)
   backward  reads each logit once more and writes d logits once, from both output gradients, with
             p recomputed from three saved fp32 numbers per row (max, log Z, entropy): the softmax is
