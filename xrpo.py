@@ -143,8 +143,8 @@ def validate(cfg: Config):
     check(cfg.alloc_lambda >= 0 and 0 < cfg.alloc_conf < 1, "alloc_lambda/alloc_conf", "λ >= 0 and a level in (0, 1)")
     check(cfg.icl_shots >= 0 and cfg.icl_per_problem > 0, "icl_shots/icl_per_problem", "K >= 0 and a positive cap")
     check(cfg.nov_lambda >= 0 and cfg.nov_kappa >= 0, "nov_lambda/nov_kappa", "non-negative numbers")
-    check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
-          "at most the completions per step on each rank (prompts_per_step / world * group_size)")
+    check(cfg.prompts_per_step // dist.world() * cfg.base_rollouts >= cfg.mini_batches, "mini_batches",
+          "at most the fewest completions a step can give a rank (prompts_per_step / world * base_rollouts)")
 
 
 def check_resume(cfg: Config, saved: dict):
@@ -464,24 +464,34 @@ def sharpen(adv, correct, score, group, lam_nov: float, kappa: float, all_correc
 
 # ------------------------------------------------------------------------------- one XRPO step's rollouts
 
+def gather(items: list) -> list:
+    """Every rank's items, rank after rank: the round plans and the corpus are the whole batch's."""
+    if not dist.is_distributed():
+        return items
+    out = [None] * dist.world()
+    torch.distributed.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
 def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast):
     """Alg. 1 lines 4-16: n_base rollouts of every prompt, then cfg.rounds rounds, each splitting its budget T by the
     priorities of the rewards so far and sampling a prompt with no correct rollout yet from its in-context prompt.
     Prompt q's group is all its rollouts, whatever round and context they came from.
     ICL rollouts keep the in-context prompt as their context, so they also train on it (our choice: the paper does
-    not say; this keeps the ratio a true importance ratio). Under torchrun each rank plans its own prompts with its
-    share of the budget (our choice: no communication inside the sampling phase).
+    not say; this keeps the ratio a true importance ratio). The budget is the whole batch's (§3.2): under torchrun
+    every rank plans all prompts from the gathered scores, then samples its own share of the plan.
     Returns the flat Batch, each rollout's text and 0/1 verifier score [N], whether its context was an in-context
     prompt [N] (bool), and how many rollouts each prompt got."""
     B, answers = len(problems), [p.answer for p in problems]
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids)
-    budgets = round_budgets(B * (cfg.group_size - cfg.base_rollouts), cfg.rounds)
+    budgets = round_budgets(B * dist.world() * (cfg.group_size - cfg.base_rollouts), cfg.rounds)
     plan, round_ctx = [cfg.base_rollouts] * B, [(c, False) for c in contexts]  # the base round: plain prompts
     ctxs, gens, texts, correct, icl = [], [], [], [], []
     so_far = [[] for _ in range(B)]  # each prompt's 0/1 scores so far this step
     for r in range(len(budgets) + 1):
         if r > 0:  # our choice: the allocator reads the verifier's 0/1, not the optional format term
-            plan = allocate(so_far, budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, greedy=cfg.alloc == "greedy")
+            plan = allocate(gather(so_far), budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, cfg.alloc == "greedy")
+            plan = plan[dist.rank() * B:(dist.rank() + 1) * B]  # this rank's prompts (gather is rank after rank)
             round_ctx = round_contexts(tok, [p.prompt for p in problems], contexts, so_far, plan, corpus,
                                        cfg.icl_shots, cfg.icl_max_len, icl=cfg.icl)
         with torch.no_grad(), autocast:
@@ -494,15 +504,6 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
         ctxs, gens = ctxs + [c for c, _ in round_ctx], gens + groups
     b = to_batch(ctxs, gens, answers * (len(budgets) + 1), group_ids=list(range(B)) * (len(budgets) + 1))
     return b, texts, torch.tensor(correct), torch.tensor(icl, dtype=torch.bool), [len(s) for s in so_far]
-
-
-def gather(items: list) -> list:
-    """Every rank's items, rank after rank (the corpus must stay the same on all ranks)."""
-    if not dist.is_distributed():
-        return items
-    out = [None] * dist.world()
-    torch.distributed.all_gather_object(out, items)
-    return [x for part in out for x in part]
 
 
 def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corpus) -> dict:
