@@ -49,7 +49,7 @@ def math_verify_score():
 
 
 def timed(fn, completion: str, answer: str) -> tuple[float, float]:
-    # CPU time of this process, not wall time: on a shared machine other programs' load stays out
+    # CPU time of this process, not wall time: on a busy machine other programs' load stays out
     start = time.process_time()
     reward = fn(completion, answer)
     return reward, time.process_time() - start

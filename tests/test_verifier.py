@@ -223,7 +223,7 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
 def test_adversarial_is_fast_and_safe(name):
     text = ADVERSARIAL[name]
-    t0 = time.process_time()  # CPU time: other programs on a shared machine do not count
+    t0 = time.process_time()  # CPU time: other programs on a busy machine do not count
     results = [score(text, "5"), score("\\boxed{5}", text), score(text, text[:5000]),
                score(text, "\\sqrt{2}"), score(text, "x+1"), score(text, "1,2")]
     answer_key(text)
