@@ -114,7 +114,6 @@ def validate(cfg: Config):
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
-    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
     check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
@@ -228,8 +227,9 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     stats["clip_high"] += clip_high.float().sum().item()
                     stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
                     stats["entropy"] += entropy.detach().sum().item()
-                    if ref is not None:
-                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if ref is not None:  # k3, its log-ratio clamped to ±10 as in the loss
+                        log_ratio_ref = (ref - logp.detach()).clamp(-10, 10)
+                        stats["ref_kl"] += (log_ratio_ref.exp() - log_ratio_ref - 1).sum().item()
                     if epoch == 0:
                         stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
                         stats["mismatch_tokens"] += len(old)
@@ -285,6 +285,7 @@ METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "per
 
 def main(argv=None):
     cfg = parse(Config, argv)
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     device = dist.setup(cfg.device)
     validate(cfg)
     cfg.run_name = cfg.run_name or datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
@@ -374,7 +375,7 @@ def main(argv=None):
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
-        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
                            f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "

@@ -316,7 +316,7 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--train-size", "0"], ["--train-size", "positive"]),
     (["--max-new-tokens", "5000"], ["--max-new-tokens", "positions"]),
     (["--tis-cap", "0.5"], ["--tis-cap"]),
-    (["--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "2"], ["--mini-batches"]),
+    (["--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "10"], ["--mini-batches"]),
     (["--loss-agg", "mean"], ["--loss-agg", "invalid choice"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, args, words):
