@@ -22,6 +22,7 @@ refilling groups dropped by dynamic sampling (we drop them and log how many), va
 """
 import copy
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -193,7 +194,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+    stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
                            "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
                            "skipped_since_last_step"], 0.0)
     for epoch in range(cfg.epochs if N else 0):
@@ -223,6 +224,9 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                 with torch.no_grad():  # diagnostics
                     log_ratio = logp.detach() - old
                     stats["tokens"] += len(logp)
+                    # tokens through the forward: each distinct context once (packed), then the completions
+                    contexts = {tuple(b.context[i]) for i in mb}
+                    stats["fwd_tokens"] += sum(map(len, contexts)) + sum(len(b.tokens[i]) for i in mb)
                     stats["clip_low"] += clip_low.float().sum().item()
                     stats["clip_high"] += clip_high.float().sum().item()
                     stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
@@ -269,16 +273,28 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
         "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
         "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
         "optim/skipped_steps": stats["skipped"],
+        "perf/sampled_tokens": lengths.sum().item(), "perf/train_fwd_tokens": stats["fwd_tokens"],
         "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
         "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
         "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
-        "perf/step_s": t_train - t0,
+        "perf/step_s": t_train - t0, "perf/peak_rss_gb": peak_rss_gb(),
     }
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far (Linux and macOS; 0 elsewhere)."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB on Linux
+
+
 # Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
-METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
-METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sampled_tokens", "perf/train_fwd_tokens",
+               "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
 
 # ---------------------------------------------------------------------------------------- main loop
