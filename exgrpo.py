@@ -65,13 +65,16 @@ class Config:
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # advantages and loss
-    adv_norm: str = "none"  # std (GRPO) or none (Dr. GRPO, as ExGRPO §3.1): divide group-centred rewards by their std?
+    adv_norm: str = "none"  # std (GRPO) or none (Dr. GRPO, as ExGRPO §3.1): divide centred rewards by their std?
+    # deviation: Dr. GRPO's Σ ℓ / (sequences x L_max); the authors' code divides by (ranks x L_max), a constant
+    # factor apart, which only changes what the clip at max_grad_norm and the skip bound see
     loss_agg: str = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO)
     eps_low: float = 0.2  # clip ratio below 1 - eps_low, until replay starts (then fresh tokens are unclipped)
     eps_high: float = 0.2  # clip ratio above 1 + eps_high, until replay starts (ExGRPO's code clips to [0.8, 1.2])
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
     tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
+    # deviation: the bonus is aggregated like the surrogate (Σ / (sequences x L_max)), not as a token mean
     entropy_coef: float = 0.001  # entropy bonus: the loss subtracts this times the token entropy (ExGRPO App. D)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
@@ -200,7 +203,7 @@ class Experience:
     """ExGRPO §4.1: the replay buffer E (question id -> its distinct correct trajectories), the bucket label of each
     question (the success count k of its latest collected group) and the retired set S (questions all K rollouts
     solved). Trajectories are token ids with the trainer's log-probs at collection time, the denominator of the
-    replayed tokens' importance ratio. # our choice: token ids, not text (re-tokenising need not give them back)."""
+    replayed tokens' importance ratio."""
 
     def __init__(self, group_size: int):
         self.K = group_size
@@ -225,6 +228,8 @@ class Experience:
             tokens = tuple(tokens)
             if ok and tokens not in seen:  # de-duplicated by exact content
                 assert len(logp) == len(tokens), "one collection-time log-prob per token"
+                # our choice: token ids, not decoded text as the authors' code keeps (re-tokenising text need not
+                # give the same tokens back, and then the stored log-probs would not line up)
                 stored.append(Trajectory(tokens, logp.detach().float().cpu().clone()))
                 seen.add(tokens)
 
@@ -323,6 +328,8 @@ def select_trajectories(model, exp: Experience, qids: list, contexts: list, micr
               sampler_logp=torch.cat([t.logp for _, t in cands]), finished=torch.ones(len(cands), dtype=torch.bool),
               answer=[None] * len(cands))
     _, entropy = trainer_logprobs(model, b, micro_batch, 1.0, pad_id, device, autocast)
+    # our choice: §3.2's mean over the completion's own tokens (Alg. 1 writes a mean NLL, the authors' code averages
+    # summed entropies over a mask that does not line up with the completion)
     scores = [h.mean() if how == "mean" else h.sum() for h in entropy.split(b.lengths.tolist())]
     best = {}
     for (j, t), h in zip(cands, scores):
@@ -368,7 +375,7 @@ class QuestionStream:
     def new_epoch(self, retired: set):
         self.epoch, self.pos = self.epoch + 1, 0
         active = [q for q in self.ids if q not in retired]
-        active = active if len(active) > self.B + 20 else self.ids
+        active = active if len(active) > self.B + 20 else self.ids  # our choice under torchrun: B and ids per rank
         perm = torch.randperm(len(active), generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
         self.order = [active[int(i)] for i in perm]
 
@@ -556,7 +563,8 @@ def main(argv=None):
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0
-    # ExGRPO's state: this rank's questions (index = rank mod world), their buffer, and whether replay has begun
+    # ExGRPO's state: this rank's questions, their buffer, and whether replay has begun. our choice: a rank owns the
+    # questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
     exp, stream = Experience(G), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
     mixed = cfg.start_acc < 0  # our choice: a negative threshold mixes from step 1 (the paper's Llama-3.1-8B base run)
     if state is not None:
@@ -577,6 +585,7 @@ def main(argv=None):
         fresh = stream.next(exp.retired)  # B ids; those beyond B - n are dropped this step (as the authors' loader)
         n = replay_count(cfg.replay_ratio, B, len(exp.valid())) if mixed else 0
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + dist.rank())
+        # our choice: replayed questions first; one may also be among this step's fresh ones (nothing excludes it)
         qids = bucket_sample(exp.buckets(), n, weights, gen) + fresh[:B - n]
         problems = [train[q] for q in qids]
         contexts = [tok.prompt(format_question(p)) for p in problems]
@@ -603,7 +612,8 @@ def main(argv=None):
         b, rewards = b.select(keep), rewards[keep]
 
         # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). ExGRPO always runs
-        # it: they are what the buffer stores (§4.1); replayed tokens take their stored log-probs as π_old (§4.2)
+        # it: they are what the buffer stores (§4.1); replayed tokens take their stored log-probs as π_old (§4.2).
+        # our choice: stored at the sampling temperature, the one every ratio here uses (the paper samples at T = 1)
         ref_logp = None
         scored_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         shaped = is_replay.repeat_interleave(b.lengths)  # [n_tok]
@@ -635,7 +645,7 @@ def main(argv=None):
         dist.sync_rollout(model, rollout)
         exp.purge()
         correct_sum, rollouts = dist.all_reduce_sum(torch.tensor([correct_all.sum().item(), len(correct_all)])).tolist()
-        was_mixed, mixed = mixed, delayed_start(mixed, correct_sum / rollouts, cfg.start_acc)  # batch over all ranks
+        was_mixed, mixed = mixed, delayed_start(mixed, correct_sum / rollouts, cfg.start_acc)  # the global batch
         t_train = time.time()
 
         # ---- 6. log, evaluate, save
