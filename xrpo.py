@@ -12,7 +12,7 @@
     python xrpo.py                                   # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
     python xrpo.py --steps 2 --run-name smoke        # any option: python xrpo.py --help
     python xrpo.py --run-name NAME --resume          # continue a run (the ICL corpus is in the checkpoint)
-    python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all three off: grpo.py's step
+    python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0 --kl-coef 0   # all off: python grpo.py
 
 A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at equal
 sampling cost. The loss is grpo.py's (token-mean, clip 0.2/0.28) with the k3 KL at β = 0.001 (§4.1); --seq-ratio
