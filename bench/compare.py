@@ -210,9 +210,10 @@ def run_summary(cfg: Config, algo: str, seed: int) -> dict:
         if "perf/step_s" in r:
             replayed = round(r.get("exgrpo/replay_share", 0.0) * cfg.prompts_per_step)
             rollouts += per_step - replayed
-            # perf/sample_tok_s x perf/sample_s is the step's completion tokens (grpo.py's step_metrics);
-            # for ExGRPO the replayed share is taken out in proportion to rollouts (their lengths are not logged)
-            tok_sampled += r["perf/sample_tok_s"] * r["perf/sample_s"] * (per_step - replayed) / per_step
+            # the step's completion tokens (perf/sample_tok_s x perf/sample_s where a file does not log them); for
+            # ExGRPO the replayed share is taken out in proportion to rollouts (their lengths are not logged)
+            batch_tokens = r.get("perf/sampled_tokens", r["perf/sample_tok_s"] * r["perf/sample_s"])
+            tok_sampled += batch_tokens * (per_step - replayed) / per_step
             tok_trained += r["perf/train_tok_s"] * r["perf/train_s"]  # = tokens through the loss, all epochs
             train_s += r["perf/step_s"]
         if "eval/greedy_acc" in r:
@@ -292,18 +293,27 @@ def mean_curve(results: dict, algo: str) -> list[tuple[float, float]]:
     return [(st, statistics.fmean(c[st] for c in curves)) for st in steps]
 
 
+def xrpo_claim(cfg: Config, results: dict) -> str:
+    """Steps to reach GRPO's final greedy accuracy (mean curves over seeds): GRPO's own against XRPO's."""
+    if "xrpo" not in results or "grpo" not in results:
+        return "not measured (needs grpo and xrpo runs)"
+    g, x = mean_curve(results, "grpo"), mean_curve(results, "xrpo")
+    start, target = g[0][1], g[-1][1]
+    where = f" (greedy on {cfg.curve_size} problems every {cfg.curve_every} steps, mean over seeds)"
+    if target <= start:
+        return f"not testable: GRPO did not improve ({100 * start:.1f}% → {100 * target:.1f}%)" + where
+    steps_g, steps_x = crossing(g, target), crossing(x, target)
+    if steps_x is None:
+        return f"XRPO does not reach GRPO's final {100 * target:.1f}% within {x[-1][0]} steps: opposite way" + where
+    way = "same way" if steps_x < steps_g else "opposite way" if steps_x > steps_g else "no difference"
+    return (f"GRPO first reaches its final {100 * target:.1f}% at step {steps_g:.1f}, XRPO at step {steps_x:.1f}: "
+            f"{steps_g / steps_x:.1f}x fewer steps: {way}" + where)
+
+
 def claims(cfg: Config, results: dict, before: dict) -> list[str]:
     """Each paper's headline claim next to what our runs say, computed from them."""
     n, top = cfg.eval_size, [label for _, label in metrics(cfg) if label.startswith("pass@")][-1]
-    xrpo = "not measured (needs grpo and xrpo runs)"
-    if "xrpo" in results and "grpo" in results:
-        g, x = mean_curve(results, "grpo"), mean_curve(results, "xrpo")
-        target, at = g[-1][1], crossing(x, g[-1][1])
-        xrpo = (f"GRPO's final greedy accuracy {100 * target:.1f}% (step {g[-1][0]}) not reached by XRPO in "
-                f"{x[-1][0]} steps: opposite way" if at is None else
-                f"XRPO reaches GRPO's final greedy accuracy {100 * target:.1f}% at step {at:.1f} of {g[-1][0]}: "
-                f"{g[-1][0] / max(at, 1e-9):.1f}x fewer steps" + (": same way" if at < g[-1][0] else ": no faster"))
-        xrpo += f" (greedy on {cfg.curve_size} problems every {cfg.curve_every} steps, mean over seeds)"
+    xrpo = xrpo_claim(cfg, results)
     eapo_T = "annealing length not read"
     if "eapo" in results:
         ends = {results["eapo"][s]["summary"]["anneal_end"] for s in results["eapo"]}
@@ -356,7 +366,7 @@ def plot(cfg: Config, results: dict, path: Path):
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{cfg.model} on {cfg.task}: mean over seeds, band = min..max", fontsize=10)
+    fig.suptitle(f"{Path(cfg.model).name} on {cfg.task}: mean over seeds, band = min..max", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -64,6 +64,7 @@ def test_two_algorithms_one_step_then_reuse(tiny_model_dir, workdir, monkeypatch
 
     # a second call reuses every run and every evaluation: no process is started, nothing is re-evaluated
     stamps = {p: p.stat().st_mtime_ns for p in (workdir / "runs").rglob("*") if p.is_file()}
+    real_run, real_evaluate = compare.subprocess.run, compare.evaluate_model
     monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail(f"started a process: {a}"))
     monkeypatch.setattr(compare, "evaluate_model", lambda *a, **k: pytest.fail("evaluated again"))
     compare.main(tiny_argv(tiny_model_dir, out="out/again.md"))
@@ -72,6 +73,18 @@ def test_two_algorithms_one_step_then_reuse(tiny_model_dir, workdir, monkeypatch
     assert stamps == {p: p.stat().st_mtime_ns for p in (workdir / "runs").rglob("*") if p.is_file() and p in stamps}
     tables = lambda t: [line for line in t.splitlines() if line.startswith("|")]  # noqa: E731
     assert tables((workdir / "out/again.md").read_text()) == tables(text)
+
+    # more steps: the finished run is continued from its checkpoint, not started again
+    argv = tiny_argv(tiny_model_dir, out="out/longer.md")
+    argv[argv.index("--algos") + 1], argv[argv.index("--steps") + 1] = "grpo", "2"
+    monkeypatch.setattr(compare.subprocess, "run", real_run)
+    monkeypatch.setattr(compare, "evaluate_model", real_evaluate)
+    compare.main(argv)
+    third = capsys.readouterr().out
+    run = workdir / f"runs/cmp-grpo-s{SEEDS[0]}"
+    assert f"resume: python {compare.REPO / 'grpo'}.py --run-name cmp-grpo-s{SEEDS[0]}" in third and "--resume" in third
+    assert [r["step"] for r in read_rows(run)] == [0, 1, 1, 2, 2]  # evaluations at 0, 1, 2 and two training steps
+    assert table_row((workdir / "out/longer.md").read_text(), "grpo")[-3] == "8"  # 2 steps x 4 rollouts
 
     # a run made with another setting is not silently reused
     with pytest.raises(ConfigError, match="--prefix"):
@@ -88,3 +101,30 @@ def test_missing_file_is_skipped_and_bad_options_refused(workdir, monkeypatch, c
         compare.main(["--algos", "grpo,ppo"])
     with pytest.raises(ConfigError, match="--seeds"):
         compare.main(["--seeds", "a,b"])
+
+
+def test_claims_and_table_from_numbers():
+    """The table and the claims column are computed from the measured numbers: synthetic runs with known gains."""
+    cfg = compare.Config(eval_samples=8, eval_size=280, curve_every=5)
+    keys = [k for k, _ in compare.metrics(cfg)]
+    assert keys == ["eval/greedy_acc", "eval/pass@1", "eval/pass@4", "eval/pass@8", "eval/maj@8"]
+    before = {s: {k: 0.30 for k in keys} for s in (0, 1, 2)}
+
+    def runs(gains, curve):  # per seed: every metric up by the seed's gain; one greedy curve for all seeds
+        summary = {"rollouts": 960.0, "tok_sampled": 4.0e4, "tok_trained": 4.0e4, "train_s": 600.0, "wall_s": 900.0,
+                   "curve": [(st, 64 * st, 40.0 * st, a) for st, a in curve], "anneal_end": 8}
+        return {s: {"eval": {k: 0.30 + g for k in keys}, "summary": summary} for s, g in enumerate(gains)}
+
+    results = {"grpo": runs([0.02, 0.04, 0.06], [(0, 0.3), (5, 0.34), (10, 0.38), (15, 0.40)]),
+               "exgrpo": runs([0.05, 0.07, 0.09], [(0, 0.3), (5, 0.3), (10, 0.3), (15, 0.3)]),
+               "xrpo": runs([0.00, 0.04, 0.02], [(0, 0.3), (5, 0.40), (10, 0.41), (15, 0.42)]),
+               "eapo": runs([0.00, 0.01, 0.02], [(0, 0.3), (5, 0.3), (10, 0.3), (15, 0.3)])}
+    rows = {line.split("|")[1].strip(): line for line in compare.table(cfg, results, before) if line.startswith("| ")}
+    assert rows["grpo"].startswith("| grpo | 3 | +4.0 ± 2.0 | +4.0 ± 2.0 |")  # gains in points, mean ± std
+    assert rows["grpo"].endswith("| 10.0 min | 960 | 40.0k | 40.0k |")
+    text = "\n".join(compare.claims(cfg, results, before))
+    assert "ExGRPO − GRPO: +3.0 pts (3 seeds, s.e. 0.0): same way |" in text  # every seed +3 over GRPO's
+    # GRPO first reaches its final 40% at step 15, XRPO at step 5: 3x fewer steps
+    assert "GRPO first reaches its final 40.0% at step 15.0, XRPO at step 5.0: 3.0x fewer steps: same way" in text
+    assert "EAPO − GRPO: -3.0 pts (3 seeds, s.e. 0.6): opposite way;" in text and "T = 8 steps" in text
+    assert "ExTra − GRPO: not measured" in text
