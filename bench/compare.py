@@ -20,6 +20,7 @@ two ends. Results are cached in each run folder (runs/<prefix>-start/ for the st
 
 Writes a markdown table (gains over the start model, mean +- std over seeds, cost) with each paper's claim beside
 ours to --out, and a PNG next to it (held-out accuracy against rollouts sampled and against training time).
+Disk: every run keeps its checkpoint (SmolLM2-135M: 1.6 GB with the optimizer state, so 15 runs take about 24 GB).
 """
 import json
 import math
@@ -53,16 +54,17 @@ class Config:
     # our choice: 40, not 200: 15 steps x 8 prompts then see each question 3 times (ExGRPO's buffer, XRPO's ICL
     # corpus and ExTra's novelty memory act only on questions that come back); 200 would need 75 steps for that
     train_size: int = 40  # training pool (arith only)
-    prompts_per_step: int = 8  # B
+    prompts_per_step: int = 8  # B: prompts per step
     group_size: int = 8  # G: B x G rollouts per step for every algorithm (XRPO: on average per prompt)
     max_new_tokens: int = 96  # completion budget in tokens
-    temperature: float = 0.8  # sampling temperature, in training and for pass@k / maj@k
+    temperature: float = 0.8  # sampling temperature, in training and for pass@k / maj@k (as the runs evaluate)
     device: str = "auto"  # auto, cpu or cuda (runs and evaluation)
     dtype: str = "auto"  # auto, float32 or bfloat16 (runs and evaluation)
     # evaluation
     eval_size: int = 280  # held-out problems: a standard error of at most sqrt(0.25 / 280) = 3.0 points per number
     eval_samples: int = 8  # sampled completions per problem for pass@1/4/8 and maj@8
     curve_every: int = 5  # the runs' own greedy evaluation (and checkpoint) every N steps: the plot's points
+    # our choice: 100 greedy problems for the curves (the algorithm files' default), a third of the table's cost
     curve_size: int = 100  # held-out problems of the runs' own evaluation (for arith the first of the --eval-size ones)
     # output
     out: str = "bench/COMPARE.md"  # the table; the plot goes beside it with the suffix .png
@@ -82,9 +84,10 @@ def shared_options(cfg: Config, seed: int) -> list[str]:
 
 def own_options(cfg: Config, algo: str, seed: int) -> list[str]:
     """What one algorithm needs beyond the shared setting."""
-    if algo == "xrpo":  # n_base rollouts per prompt, the rest of B x G planned by priority (xrpo.py: n_base 4 at G 8)
+    if algo == "xrpo":  # n_base rollouts per prompt, the rest of B x G planned by priority
+        # our choice: n_base = G / 2, xrpo.py's default ratio (4 of 8), so other --group-size values keep it
         return ["--base-rollouts", str(max(2, cfg.group_size // 2))]
-    if algo == "eapo":
+    if algo == "eapo":  # our choice: pi_RL is the GRPO run of the same seed, the cheapest earlier RL run there is
         return ["--prior", str(Path("runs") / run_name(cfg, "grpo", seed) / "checkpoint")]
     return []
 
@@ -426,22 +429,10 @@ def parse_list(text: str, option: str, cast) -> list:
     return items
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = parse(Config, argv)
-    algos, seeds = parse_list(cfg.algos, "algos", str), parse_list(cfg.seeds, "seeds", int)
-    check(set(algos) <= set(ALGOS), "algos", f"names among {','.join(ALGOS)} (got {cfg.algos})")
-    for name in ("steps", "train_size", "prompts_per_step", "eval_size", "curve_every", "curve_size"):
-        check(getattr(cfg, name) > 0, name, "a positive integer")
-    check(cfg.group_size >= 2 and cfg.eval_samples >= 1, "group_size/eval_samples", "group_size >= 2 and samples >= 1")
-    present = [a for a in algos if (REPO / f"{a}.py").is_file()]
-    for a in algos:
-        if a not in present:
-            print(f"skip {a}: {REPO / f'{a}.py'} does not exist (not written yet)")
-    if "eapo" in present and not (REPO / "grpo.py").is_file():
-        print("skip eapo: its prior is a grpo.py run, and grpo.py does not exist")
-        present.remove("eapo")
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+def collect(cfg: Config, present: list[str], seeds: list[int]):
+    """Every run made or reused, every evaluation made or read from its cache. Returns results[algo][seed] (the
+    final evaluation and the run's summary), before[seed] (the start model's evaluation), done[(algo, seed)] (did the
+    run finish) and eval_s[...] (seconds each evaluation took)."""
     results, before, done, eval_s = {}, {}, {}, {}
     for seed in seeds:
         for algo in present:
@@ -463,6 +454,31 @@ def main(argv=None):
                                 cfg.steps)
             eval_s[algo, seed] = after["eval_s"]
             results.setdefault(algo, {})[seed] = {"eval": after["eval"], "summary": run_summary(cfg, algo, seed)}
+    return results, before, done, eval_s
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse(Config, argv)
+    algos, seeds = parse_list(cfg.algos, "algos", str), parse_list(cfg.seeds, "seeds", int)
+    check(set(algos) <= set(ALGOS), "algos", f"names among {','.join(ALGOS)} (got {cfg.algos})")
+    for name in ("steps", "train_size", "prompts_per_step", "eval_size", "curve_every", "curve_size"):
+        check(getattr(cfg, name) > 0, name, "a positive integer")
+    check(cfg.group_size >= 2 and cfg.eval_samples >= 1, "group_size/eval_samples", "group_size >= 2 and samples >= 1")
+    present = [a for a in algos if (REPO / f"{a}.py").is_file()]
+    for a in algos:
+        if a not in present:
+            print(f"skip {a}: {REPO / f'{a}.py'} does not exist (not written yet)")
+    if "eapo" in present and not (REPO / "grpo.py").is_file():
+        print("skip eapo: its prior is a grpo.py run, and grpo.py does not exist")
+        present.remove("eapo")
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        results, before, done, eval_s = collect(cfg, present, seeds)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: rerun the same command to continue (finished runs are reused, a stopped one "
+                         "resumes from its last checkpoint)\n")
+        sys.exit(130)
     results = {a: results[a] for a in present if a in results}  # table order = --algos order
     run_s = sum(results[a][s]["summary"]["wall_s"] for a in results for s in results[a])
     text = report(cfg, shlex.join(["python", "bench/compare.py", *argv]), results, before,
