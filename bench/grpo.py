@@ -86,15 +86,18 @@ def run_once(seed: int, rest: list) -> tuple[Path, float, float]:
     """One `python grpo.py` in a child that reports its own child's peak RSS (so seeds do not mix)."""
     name = time.strftime(f"bench-grpo-s{seed}-%Y%m%d-%H%M%S")
     cmd = [sys.executable, str(REPO / "grpo.py"), "--run-name", name, "--seed", str(seed), *rest]
+    # the child's output streams as usual; its peak RSS comes back on the probe's stderr, last line
     probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-             "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+             "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+             "sys.exit(r.returncode)")
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", probe, *cmd], stdout=subprocess.PIPE, text=True)
+    r = subprocess.run([sys.executable, "-c", probe, *cmd], stderr=subprocess.PIPE, text=True)
     wall = time.time() - t0
-    print(r.stdout, end="")
+    lines = r.stderr.splitlines()
+    print("\n".join(line for line in lines if not line.startswith("PEAK_RSS_KB")), file=sys.stderr)
     if r.returncode:
         sys.exit(f"bench/grpo.py: {' '.join(cmd)} failed with exit code {r.returncode}")
-    kb = [float(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("PEAK_RSS_KB")]
+    kb = [float(line.split()[1]) for line in lines if line.startswith("PEAK_RSS_KB")]
     return Path("runs") / name, wall, (kb[-1] / 2 ** 20 if kb else None)
 
 
