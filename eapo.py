@@ -13,17 +13,20 @@ One step: λ_k = λ_0 max(0, 1 - k/T). Sample G completions per prompt; the firs
 π_RL decodes alongside them (its own KV cache, never on ordinary ones) and at each token whose policy entropy
 (at the sampling temperature) exceeds τ, with probability λ_k, the policy's draw becomes a draft that speculative
 sampling (Chen et al. 2023, arXiv 2302.01318) accepts with min(1, π_RL/π_old) or replaces from the residual, so
-the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. The trainer's scoring
-pass gives π_old; with the stored log π_RL it rebuilds each token's behaviour probability μ = (1 - λ) π_old + λ π_RL
-(μ = π_old off the critical points), and the clipped loss of every token is weighted by ω = sg(π_old / μ).
+the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. The trainer's
+scoring pass gives π_old; with the stored log π_RL it rebuilds each token's behaviour probability
+μ = (1 - λ) π_old + λ π_RL (μ = π_old off the critical points), and the clipped loss of every token is weighted
+by ω = sg(π_old / μ).
 
 Only the paper's abstract and figure captions are public: the annealing shape, the form of the adapted
 importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are our
 reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
-(as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ.
+(as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ, π_RL's
+entropy as the criterion, and a single ratio π_θ / μ inside the clip (variants the reconstruction leaves open).
 """
 import copy
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -96,12 +99,12 @@ class Config:
     save_every: int = 15  # checkpoint every N steps (and after the last)
     # EAPO: experience from a prior RL policy π_RL
     prior: str = ""  # π_RL: the checkpoint folder of an earlier RL run of the same model (runs/<name>/checkpoint)
-    lam0: float = 1.0  # λ_0: probability of taking a critical token from π_RL at step 1
-    anneal_steps: int = 8  # T: λ reaches 0 after T steps, then the run is plain GRPO
+    lam0: float = 1.0  # λ_0: probability of taking a critical token from π_RL at step 1 (our choice: 1)
+    anneal_steps: int = 8  # T: λ reaches 0 after T steps, then the run is plain GRPO (our choice: ~half the run)
     schedule: str = "linear"  # shape of λ_k from λ_0 to 0: linear, cosine, or constant (λ_0 until T)
     augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = half of --group-size
     tau: float = -1.0  # τ: critical tokens have policy entropy > τ (nats, at --temperature); -1 = calibrate
-    tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies
+    tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies (our choice)
     omega_cap: float = 0.0  # C_ω: truncate ω = π_old / μ at this value (0 = no truncation)
     pos_only: bool = False  # drop the loss of incorrect augmented completions (EAPO Fig. 3a's "Pos-Only")
 
@@ -128,7 +131,6 @@ def validate(cfg: Config):
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
-    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
     check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
@@ -247,10 +249,11 @@ def speculative_resample(p_old, p_rl, draft, generator=None):
 
 def behaviour_logp(old_logp, rl_logp, lam: float, eligible):
     """log μ_t(a_t), the probability with which each token was actually emitted: the denominator of EAPO's
-    "adapted importance sampling" (abstract). At a critical position of an augmented response the token came from π_old with probability
-    1 - λ and from π_RL with probability λ, so μ = (1 - λ) π_old + λ π_RL; elsewhere μ = π_old.
-    our choice: the coin is folded into the mixture (eligibility is a function of the state, the coin is
-    not), which makes ω a smooth function of the token. Log space keeps tiny probabilities finite."""
+    "adapted importance sampling" (abstract). At a critical position of an augmented response the token came
+    from π_old with probability 1 - λ and from π_RL with probability λ, so μ = (1 - λ) π_old + λ π_RL;
+    elsewhere μ = π_old. our choice: the coin is folded into the mixture (eligibility is a function of the
+    state, the coin is not), which makes ω a smooth function of the token. Log space keeps tiny
+    probabilities finite."""
     if lam <= 0:
         return old_logp.clone()
     mixture = torch.logaddexp(old_logp + (math.log1p(-lam) if lam < 1 else -math.inf), rl_logp + math.log(lam))
@@ -275,12 +278,12 @@ def calibrate_tau(entropies, quantile: float) -> float:
 
 class PriorMix:
     """The sampler Companion's mix for the augmented rows (EAPO Fig. 1: π_RL's actions resampled "at critical
-    decision points" of the current policy's rollout), one call per generated position. The policy's draw is the draft. Where the position is critical (the policy's
-    entropy at the sampling temperature > τ, strictly) and a coin of probability λ says inject, speculative
-    resampling turns it into a draw from π_RL (at the same temperature: our choice, so that π_RL's tokens
-    are scored like the policy's). Returns the emitted tokens and per-token extras:
-    rl_logp (log π_RL of the token), mu_logp (log μ, sampler numerics), eligible, injected, resampled
-    (the draft was rejected) and kl (KL(π_old || π_RL) at the position, over the full vocabulary)."""
+    decision points" of the current policy's rollout), one call per generated position. The policy's draw is
+    the draft. Where the position is critical (the policy's entropy at the sampling temperature > τ) and a
+    coin of probability λ says inject, speculative resampling turns it into a draw from π_RL (at the same
+    temperature: our choice, so that π_RL's tokens are scored like the policy's). Returns the emitted tokens
+    and per-token extras: rl_logp (log π_RL of the token), mu_logp (log μ, sampler numerics), eligible,
+    injected, resampled (the draft was rejected) and kl (KL(π_old || π_RL) at the position, full vocabulary)."""
 
     def __init__(self, lam: float, tau: float, temperature: float, seed: int, device="cpu"):
         self.lam, self.tau, self.temperature = lam, tau, temperature
@@ -290,7 +293,9 @@ class PriorMix:
     def __call__(self, step, draft, logits, prior_logits, rows):
         logp_old, p_old, entropy = softmax_stats(logits, self.temperature)  # [b, V], [b, V], [b]
         logp_rl, p_rl, _ = softmax_stats(prior_logits, self.temperature)
-        eligible = entropy > self.tau  # EAPO: resampling threshold τ; strict, so τ = max entropy means never
+        # EAPO's resampling threshold τ, strict. our choice: the learner's entropy decides (not π_RL's), as in the
+        # high-entropy "forking token" work the paper cites
+        eligible = entropy > self.tau
         coin = torch.rand(len(draft), generator=self.gen, device=draft.device) < self.lam
         injected = eligible & coin
         # on every row, injected or not: the random stream then does not depend on which rows inject
@@ -375,7 +380,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    stats = dict.fromkeys(["tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+    stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
                            "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
                            "skipped_since_last_step"], 0.0)
     for epoch in range(cfg.epochs if N else 0):
@@ -405,12 +410,16 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                 with torch.no_grad():  # diagnostics
                     log_ratio = logp.detach() - old
                     stats["tokens"] += len(logp)
+                    # tokens through the forward: each distinct context once (packed), then the completions
+                    contexts = {tuple(b.context[i]) for i in mb}
+                    stats["fwd_tokens"] += sum(map(len, contexts)) + sum(len(b.tokens[i]) for i in mb)
                     stats["clip_low"] += clip_low.float().sum().item()
                     stats["clip_high"] += clip_high.float().sum().item()
                     stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
                     stats["entropy"] += entropy.detach().sum().item()
-                    if ref is not None:
-                        stats["ref_kl"] += ((ref - logp).exp() - (ref - logp) - 1).sum().item()
+                    if ref is not None:  # k3, its log-ratio clamped to ±10 as in the loss
+                        log_ratio_ref = (ref - logp.detach()).clamp(-10, 10)
+                        stats["ref_kl"] += (log_ratio_ref.exp() - log_ratio_ref - 1).sum().item()
                     if epoch == 0:
                         stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
                         stats["mismatch_tokens"] += len(old)
@@ -450,22 +459,35 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
         "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
         "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
         "optim/skipped_steps": stats["skipped"],
+        "perf/sampled_tokens": lengths.sum().item(), "perf/train_fwd_tokens": stats["fwd_tokens"],
         "perf/sample_tok_s": lengths.sum().item() / (t_sample - t0),
         "perf/train_tok_s": stats["tokens"] / max(t_train - t_score, 1e-9),
         "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
-        "perf/step_s": t_train - t0,
+        "perf/step_s": t_train - t0, "perf/peak_rss_gb": peak_rss_gb(),
     }
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far (Linux and macOS; 0 elsewhere)."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB on Linux
+
+
 # Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
-METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sample_tok_s", "perf/train_tok_s")
-METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
+METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sampled_tokens", "perf/train_fwd_tokens",
+               "perf/sample_tok_s", "perf/train_tok_s")
+METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
 
 # ---------------------------------------------------------------------------------------- main loop
 
 def main(argv=None):
     cfg = parse(Config, argv)
+    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     device = dist.setup(cfg.device)
     validate(cfg)
     cfg.run_name = cfg.run_name or datetime.now().strftime("eapo-%Y%m%d-%H%M%S")
@@ -532,9 +554,10 @@ def main(argv=None):
         problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
         contexts = [tok.prompt(format_question(p)) for p in problems]
         seed = cfg.seed * 1_000_003 + step * 1009 + dist.rank()
-        lam = injection_prob(step - 1, cfg.lam0, cfg.anneal_steps, cfg.schedule)  # EAPO: experience annealing
+        lam = injection_prob(step - 1, cfg.lam0, cfg.anneal_steps, cfg.schedule)  # k = step - 1: λ_0 at step 1
         aug_rows = augmented_rows(B, G, G_e) if lam > 0 else []
-        companion = Companion(prior, PriorMix(lam, tau, cfg.temperature, seed + 1, device), aug_rows) if aug_rows else None
+        mix = PriorMix(lam, tau, cfg.temperature, seed + 1, device)  # π_RL's tokens at critical points
+        companion = Companion(prior, mix, rows=aug_rows) if aug_rows else None
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=seed, companion=companion)
@@ -567,7 +590,7 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        if cfg.pos_only:  # after the advantages, which see the whole group
+        if cfg.pos_only:  # after the advantages, which see the whole group; out of every denominator too
             b.skip = torch.where(pos_only_dropped(correct, aug), b.lengths, b.skip)
 
         # ---- EAPO's adapted importance sampling: μ from the trainer's π_old and the stored log π_RL, so that
@@ -582,7 +605,7 @@ def main(argv=None):
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
                        loss_kw)
-        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+        skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
                            f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
