@@ -59,6 +59,8 @@ class Config:
     max_new_tokens: int = 96  # completion budget in tokens
     temperature: float = 0.8  # sampling temperature, in training and for pass@k / maj@k (as the runs evaluate)
     device: str = "auto"  # auto, cpu or cuda (runs and evaluation)
+    # a small model leaves a GPU mostly idle, so several runs can share it; on a CPU they would fight for the cores
+    jobs: int = 1  # runs at once (each run's output then goes to runs/<its name>.log)
     dtype: str = "auto"  # auto, float32 or bfloat16 (runs and evaluation)
     # evaluation
     eval_size: int = 280  # held-out problems: a standard error of at most sqrt(0.25 / 280) = 3.0 points per number
@@ -123,7 +125,7 @@ def checkpoint_step(run_dir: Path) -> int | None:
     return int(torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)["step"])
 
 
-def ensure_run(cfg: Config, algo: str, seed: int) -> bool:
+def ensure_run(cfg: Config, algo: str, seed: int, log: bool = False) -> bool:
     """Run (or resume) one algorithm for one seed unless its checkpoint is already at the last step. True if done."""
     name = run_name(cfg, algo, seed)
     run_dir = Path("runs") / name
@@ -150,7 +152,12 @@ def ensure_run(cfg: Config, algo: str, seed: int) -> bool:
     info.update(setting=setting(cfg), command=cmd)
     info_file.write_text(json.dumps(info, indent=1))
     t0 = time.time()
-    rc = subprocess.run([sys.executable, *cmd[1:]]).returncode
+    out = open(Path("runs") / f"{name}.log", "a") if log else None
+    try:
+        rc = subprocess.run([sys.executable, *cmd[1:]], stdout=out, stderr=subprocess.STDOUT if log else None).returncode
+    finally:
+        if out:
+            out.close()
     info["wall_s"] += time.time() - t0  # the process, its own evaluations included, summed over resumes
     info_file.write_text(json.dumps(info, indent=1))
     if rc != 0:
@@ -429,6 +436,17 @@ def parse_list(text: str, option: str, cast) -> list:
     return items
 
 
+def run_all(cfg: Config, present: list[str], seeds: list[int]):
+    """--jobs > 1: make every run first, up to cfg.jobs at once (EAPO's after the GRPO runs, its priors)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    first = [(a, s) for s in seeds for a in present if a != "eapo"]
+    first += [("grpo", s) for s in seeds if "eapo" in present and "grpo" not in present]
+    for wave in (first, [("eapo", s) for s in seeds if "eapo" in present]):
+        with ThreadPoolExecutor(cfg.jobs) as pool:
+            list(pool.map(lambda job: ensure_run(cfg, *job, log=True), wave))
+
+
 def collect(cfg: Config, present: list[str], seeds: list[int]):
     """Every run made or reused, every evaluation made or read from its cache. Returns results[algo][seed] (the
     final evaluation and the run's summary), before[seed] (the start model's evaluation), done[(algo, seed)] (did the
@@ -462,7 +480,7 @@ def main(argv=None):
     cfg = parse(Config, argv)
     algos, seeds = parse_list(cfg.algos, "algos", str), parse_list(cfg.seeds, "seeds", int)
     check(set(algos) <= set(ALGOS), "algos", f"names among {','.join(ALGOS)} (got {cfg.algos})")
-    for name in ("steps", "train_size", "prompts_per_step", "eval_size", "curve_every", "curve_size"):
+    for name in ("steps", "jobs", "train_size", "prompts_per_step", "eval_size", "curve_every", "curve_size"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
     check(cfg.group_size >= 2 and cfg.eval_samples >= 1, "group_size/eval_samples", "group_size >= 2 and samples >= 1")
     present = [a for a in algos if (REPO / f"{a}.py").is_file()]
@@ -474,6 +492,8 @@ def main(argv=None):
         present.remove("eapo")
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     try:
+        if cfg.jobs > 1:
+            run_all(cfg, present, seeds)
         results, before, done, eval_s = collect(cfg, present, seeds)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted: rerun the same command to continue (finished runs are reused, a stopped one "

@@ -1,10 +1,18 @@
-"""The default run as a benchmark: accuracy before -> after, wall time, where a step's time goes, peak memory,
-and the work done (training FLOPs, sampled tokens), for one or several seeds.
+"""An algorithm file's default run as a benchmark: accuracy before -> after, wall time, where a step's time goes,
+peak memory, and the work done (training FLOPs, sampled tokens), for one or several seeds.
 
-    python bench/grpo.py                          # `python grpo.py` (the defaults), seed 0, and its table
-    python bench/grpo.py --seeds 0 1 2            # one run per seed, one after the other
-    python bench/grpo.py --run runs/NAME          # only summarise a run that already exists
-    python bench/grpo.py --seeds 0 -- --dtype float32 --steps 20   # options after -- go to grpo.py
+    python bench/default_run.py                       # `python grpo.py` (the defaults), seed 0, and its table
+    python bench/default_run.py --seeds 0 1 2         # one run per seed, one after the other
+    python bench/default_run.py --algo exgrpo         # `python exgrpo.py` (its defaults); also xrpo, extra, eapo
+    python bench/default_run.py --algo eapo           # EAPO's two commands: a grpo.py run of the seed, then eapo.py
+    python bench/default_run.py --run runs/NAME       # only summarise a run that already exists
+    python bench/default_run.py --seeds 0 -- --dtype float32 --steps 20   # options after -- go to the file
+    python bench/default_run.py --algo grpo,exgrpo --seeds 0 1 2 --jobs 6 -- --device cuda   # a GPU at once
+
+EAPO needs a prior pi_RL: unless `--prior` is among the options after --, the newest finished default grpo.py run
+of the same seed made by this script (runs/bench-grpo-s<seed>-*) is used, and one is made first if there is none.
+--jobs N runs up to N of the (algorithm, seed) runs at once, each child's output in runs/<its name>.log: for a GPU,
+where one small-model run leaves the device mostly idle; on a CPU it only makes the runs fight for the cores.
 
 The CPU's flags are printed with the table: a bf16 matmul runs ~900 GFLOP/s on 2 cores with AMX-BF16 and
 ~1 GFLOP/s with AVX2 only, so `--dtype auto` trains in bf16 on the first and fp32 on the second. Training FLOPs
@@ -18,9 +26,12 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 
 
 def cpu_flags() -> str:
@@ -82,21 +93,42 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     return out
 
 
-def run_once(seed: int, rest: list) -> tuple[Path, float, float]:
-    """One `python grpo.py` in a child that reports its own child's peak RSS (so seeds do not mix)."""
-    name = time.strftime(f"bench-grpo-s{seed}-%Y%m%d-%H%M%S")
-    cmd = [sys.executable, str(REPO / "grpo.py"), "--run-name", name, "--seed", str(seed), *rest]
+def finished_run(algo: str, seed: int) -> Path | None:
+    """The newest run of `algo` for `seed` made by this script whose checkpoint holds its last step."""
+    from common import checkpoint
+
+    import torch
+
+    for run in sorted(Path("runs").glob(f"bench-{algo}-s{seed}-*"), reverse=True):
+        ckpt = checkpoint.find(run / "checkpoint") if run.is_dir() else None
+        if ckpt is not None:
+            state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)
+            if state["step"] == state["extra"].get("config", {}).get("steps"):
+                return run
+    return None
+
+
+def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path, float, float]:
+    """One `python <algo>.py` in a child that reports its own child's peak RSS (so runs do not mix)."""
+    name = time.strftime(f"bench-{algo}-s{seed}-%Y%m%d-%H%M%S")
+    if algo == "eapo" and "--prior" not in rest:  # EAPO's first command: the prior is a grpo.py run
+        prior = finished_run("grpo", seed) or run_once("grpo", seed, rest, log)[0]
+        rest = [*rest, "--prior", str(prior / "checkpoint")]
+    cmd = [sys.executable, str(REPO / f"{algo}.py"), "--run-name", name, "--seed", str(seed), *rest]
+    print("run:", " ".join(cmd[1:]), flush=True)
     # the child's output streams as usual; its peak RSS comes back on the probe's stderr, last line
     probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
              "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
              "sys.exit(r.returncode)")
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", probe, *cmd], stderr=subprocess.PIPE, text=True)
+    Path("runs").mkdir(exist_ok=True)
+    out = open(Path("runs") / f"{name}.log", "w") if log else None
+    r = subprocess.run([sys.executable, "-c", probe, *cmd], stdout=out, stderr=subprocess.PIPE, text=True)
     wall = time.time() - t0
     lines = r.stderr.splitlines()
-    print("\n".join(line for line in lines if not line.startswith("PEAK_RSS_KB")), file=sys.stderr)
+    print("\n".join(line for line in lines if not line.startswith("PEAK_RSS_KB")), file=out or sys.stderr)
     if r.returncode:
-        sys.exit(f"bench/grpo.py: {' '.join(cmd)} failed with exit code {r.returncode}")
+        sys.exit(f"bench/default_run.py: {' '.join(cmd[1:])} failed with exit code {r.returncode}")
     kb = [float(line.split()[1]) for line in lines if line.startswith("PEAK_RSS_KB")]
     return Path("runs") / name, wall, (kb[-1] / 2 ** 20 if kb else None)
 
@@ -104,19 +136,33 @@ def run_once(seed: int, rest: list) -> tuple[Path, float, float]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, help="summarise this run folder instead of starting one")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of grpo.py per seed")
+    p.add_argument("--algo", default="grpo", help="the algorithm file(s), comma-separated: grpo, exgrpo, xrpo, extra, eapo")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of each algorithm per seed")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (for a GPU; 1 on a CPU)")
     p.add_argument("--predict-gflops", type=float, default=111.0,
                    help="matmul rate for the time prediction (111: fp32 on 2 cores of an AVX2-only AMD EPYC)")
     args, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
     if args.run:
         return summarise(args.run, predict_gflops=args.predict_gflops)
-    results = [summarise(*run_once(seed, rest), predict_gflops=args.predict_gflops) for seed in args.seeds]
+    algos = [a for a in args.algo.split(",") if a]
+    for a in algos:
+        if a not in ALGOS:
+            sys.exit(f"bench/default_run.py: --algo: expected names among {','.join(ALGOS)}, got {a!r}")
+    if args.jobs < 1:
+        sys.exit("bench/default_run.py: --jobs: expected a positive integer")
+    # EAPO last, so that its prior (the grpo.py run of its seed) is made by the first wave when grpo is asked for too
+    waves = [[(a, s) for a in algos if a != "eapo" for s in args.seeds], [("eapo", s) for s in args.seeds if "eapo" in algos]]
+    done = []
+    for wave in waves:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            done += list(pool.map(lambda job: (job, run_once(*job, rest, log=args.jobs > 1)), wave))
+    results = [(algo, seed, summarise(*run, predict_gflops=args.predict_gflops)) for (algo, seed), run in done]
     if len(results) > 1:
-        print(f"\n| seed | before -> after | gain | wall | peak RSS |\n|---|---|---|---|---|")
-        for seed, r in zip(args.seeds, results):
-            print(f"| {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | {100 * (r['acc_after'] - r['acc_before']):+.1f} | "
-                  f"{r['wall_s']:.0f} s | {r['peak_rss_gb']:.2f} GB |")
+        print("\n| algorithm | seed | before -> after | gain | wall | peak RSS |\n|---|---|---|---|---|---|")
+        for algo, seed, r in results:
+            print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
+                  f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {r['wall_s']:.0f} s | {r['peak_rss_gb']:.2f} GB |")
 
 
 if __name__ == "__main__":
