@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as td
 
+from common.config import RunError
+
 
 def is_distributed() -> bool:
     return td.is_available() and td.is_initialized()
@@ -37,6 +39,9 @@ def setup(device: str = "auto") -> torch.device:
         td.init_process_group("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise RunError(f"--device cuda: this process is local rank {local}, but the machine has "
+                           f"{torch.cuda.device_count()} GPU(s); start at most that many per node (or --device cpu)")
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device(device)
@@ -89,10 +94,14 @@ def wrap(model, fsdp: bool = False):
     if not is_distributed():
         return model
     if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        # the mesh on the model's own device type: left to itself FSDP2 picks CUDA whenever a GPU is visible,
+        # even for a CPU (gloo) run
+        mesh = init_device_mesh(next(model.parameters()).device.type, (world(),))
         for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     return torch.nn.parallel.DistributedDataParallel(model)
 

@@ -188,7 +188,7 @@ def grpo_results(tmp_path_factory, tiny_model_dir):
     # no clipping: a clipped gradient has norm 1 whatever its scale, which would hide a wrong normalisation
     argv = ["--model", str(tiny_model_dir), "--steps", "1", "--prompts-per-step", "4", "--group-size", "3",
             "--micro-batch", "2", "--eval-size", "2", "--dtype", "float32", "--train-size", "40",
-            "--max-grad-norm", "1e9"]
+            "--max-grad-norm", "1e9", "--device", "cpu"]  # gloo on CPU, also where a GPU is visible
     ports = {"ddp": free_port(), "fsdp2": free_port()}
     mp.spawn(grpo_ranks, args=(2, 0, ports, argv, tmp), nprocs=2, join=True)
     return tmp, torch.load(tmp / "runs/grads.pt")
@@ -210,10 +210,21 @@ def test_torchrun_two_steps(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
            str(REPO / "grpo.py"), "--model", str(tiny_model_dir), "--steps", "2", "--run-name", "tr",
            "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "3",
-           "--train-size", "50", "--micro-batch", "2"]
+           "--train-size", "50", "--micro-batch", "2", "--device", "cpu"]  # two ranks: gloo, even beside one GPU
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs/tr/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]  # each step once, from rank 0 alone
     assert [r["step"] for r in rows if "eval/greedy_acc" in r] == [0, 2]
     assert r.stdout.count("done: greedy accuracy") == 1
+
+
+def test_more_ranks_than_gpus_is_one_line_error(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU machine: a RunError naming the cause, not CUDA's traceback."""
+    from common import dist as common_dist
+    from common.config import RunError
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RunError, match="local rank 1, but the machine has 1 GPU"):
+        common_dist.setup("cuda")

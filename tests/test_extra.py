@@ -86,10 +86,10 @@ def test_novelty_warmup_history_duplicates_and_self():  # property 4
 
 
 def test_novelty_on_policy_embeddings(model):
-    """Embeddings from the policy itself: the same text twice is not novel, a different one is."""
+    """Embeddings from the policy itself: a text seen before is not novel, a different one is."""
     seqs = [[5, 6, 7, 8], [5, 6, 7, 8], [900, 901, 33], [77, 78, 79, 80, 81]]
     emb = extra.embed(model, seqs)
-    d = extra.novelty(emb, emb[2:], n=2)
+    d = extra.novelty(emb, emb[:2], n=2)  # the memory holds the first text (twice), not the last two
     assert d[0].abs() < 1e-5 and d[1].abs() < 1e-5 and (d[2:] > 0).all()
 
 
@@ -241,7 +241,7 @@ def host_args(model_dir, tmp_path):
                             (("nine", "9"), ("three", "4063"), ("five", "40"), ("zero", "9"))))
     return ["--model", str(model_dir), "--task", str(task), "--prompts-per-step", "2", "--group-size", "4",
             "--max-new-tokens", "12", "--eval-size", "2", "--micro-batch", "8", "--eval-every", "100",
-            "--lr", "1e-5", "--temperature", "1.0", "--dtype", "float32"]
+            "--lr", "1e-5", "--temperature", "1.0", "--dtype", "float32", "--device", "cpu"]
 
 
 # ExTra's options for the tiny runs: regeneration from step 2, cut points 2 tokens apart, one guided row a step
