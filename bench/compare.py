@@ -70,6 +70,10 @@ class Config:
     curve_size: int = 100  # held-out problems of the runs' own evaluation (for arith the first of the --eval-size ones)
     # output
     out: str = "bench/COMPARE.md"  # the table; the plot goes beside it with the suffix .png
+    runs_dir: str = "runs"  # where the runs are (and are made)
+    # no runs, no evaluation: the table from the runs' own greedy evaluations (--curve-size problems at step 0 and
+    # at the last step) and the plot, e.g. for runs made on another machine whose checkpoints did not come along
+    report_only: bool = False
 
     choices = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"]}
 
@@ -90,12 +94,14 @@ def own_options(cfg: Config, algo: str, seed: int) -> list[str]:
         # our choice: n_base = G / 2, xrpo.py's default ratio (4 of 8), so other --group-size values keep it
         return ["--base-rollouts", str(max(2, cfg.group_size // 2))]
     if algo == "eapo":  # our choice: pi_RL is the GRPO run of the same seed, the cheapest earlier RL run there is
-        return ["--prior", str(Path("runs") / run_name(cfg, "grpo", seed) / "checkpoint")]
+        return ["--prior", str(Path(cfg.runs_dir) / run_name(cfg, "grpo", seed) / "checkpoint")]
     return []
 
 
 def metrics(cfg: Config) -> list[tuple[str, str]]:
     """(key, label) of the numbers in the table: greedy, pass@k for k = 1, 4, 8, ... up to the samples, maj@samples."""
+    if cfg.eval_samples == 0:
+        return [("eval/greedy_acc", "greedy")]
     ks = [k for k in (1, 4, 8, 16, 32, 64, 128, 256) if k <= cfg.eval_samples]
     return ([("eval/greedy_acc", "greedy")] + [(f"eval/pass@{k}", f"pass@{k}") for k in ks]
             + [(f"eval/maj@{cfg.eval_samples}", f"maj@{cfg.eval_samples}")])
@@ -128,7 +134,7 @@ def checkpoint_step(run_dir: Path) -> int | None:
 def ensure_run(cfg: Config, algo: str, seed: int, log: bool = False) -> bool:
     """Run (or resume) one algorithm for one seed unless its checkpoint is already at the last step. True if done."""
     name = run_name(cfg, algo, seed)
-    run_dir = Path("runs") / name
+    run_dir = Path(cfg.runs_dir) / name
     info_file = run_dir / "compare.json"
     step = checkpoint_step(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -149,10 +155,10 @@ def ensure_run(cfg: Config, algo: str, seed: int, log: bool = False) -> bool:
     print(("resume: " if step else "run: ") + " ".join(cmd), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     info = json.loads(info_file.read_text()) if info_file.is_file() else {"wall_s": 0.0}
-    info.update(setting=setting(cfg), command=cmd)
+    info.update(setting=setting(cfg), command=cmd, machine=machine())
     info_file.write_text(json.dumps(info, indent=1))
     t0 = time.time()
-    out = open(Path("runs") / f"{name}.log", "a") if log else None
+    out = open(Path(cfg.runs_dir) / f"{name}.log", "a") if log else None
     try:
         rc = subprocess.run([sys.executable, *cmd[1:]], stdout=out, stderr=subprocess.STDOUT if log else None).returncode
     finally:
@@ -211,7 +217,7 @@ def cached_eval(cfg: Config, cache: Path, model_dir, seed: int, step: int) -> di
 def run_summary(cfg: Config, algo: str, seed: int) -> dict:
     """Cost and curve of a finished run, from its metrics.jsonl. rollouts: completions sampled (ExGRPO's replayed
     trajectories are in its batch but were not sampled this step: left out); tokens: sampled and trained."""
-    run_dir = Path("runs") / run_name(cfg, algo, seed)
+    run_dir = Path(cfg.runs_dir) / run_name(cfg, algo, seed)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     per_step = cfg.prompts_per_step * cfg.group_size
     rollouts = tok_sampled = tok_trained = train_s = 0.0
@@ -231,7 +237,8 @@ def run_summary(cfg: Config, algo: str, seed: int) -> dict:
     lam = [r["step"] for r in rows if r.get("eapo/lambda") == 0.0]
     info = json.loads((run_dir / "compare.json").read_text())
     return {"rollouts": rollouts, "tok_sampled": tok_sampled, "tok_trained": tok_trained, "train_s": train_s,
-            "wall_s": info["wall_s"], "curve": curve, "anneal_end": lam[0] if lam else None}
+            "wall_s": info["wall_s"], "curve": curve, "anneal_end": lam[0] if lam else None,
+            "machine": info.get("machine")}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -322,7 +329,11 @@ def xrpo_claim(cfg: Config, results: dict) -> str:
 
 def claims(cfg: Config, results: dict, before: dict) -> list[str]:
     """Each paper's headline claim next to what our runs say, computed from them."""
-    n, top = cfg.eval_size, [label for _, label in metrics(cfg) if label.startswith("pass@")][-1]
+    n, tops = cfg.eval_size, [label for _, label in metrics(cfg) if label.startswith("pass@")]
+    # without samples (--report-only) greedy accuracy stands in for pass@1, and pass@k is not measured
+    key1, name1 = ("eval/pass@1", "pass@1") if tops else ("eval/greedy_acc", "greedy accuracy")
+    extra_k = (f"; Δ {tops[-1]} (the largest k of our {cfg.eval_samples} samples): "
+               + verdict(paired(results, before, "extra", f"eval/{tops[-1]}"), n)) if tops else "; pass@k not measured"
     xrpo = xrpo_claim(cfg, results)
     eapo_T = "annealing length not read"
     if "eapo" in results:
@@ -331,15 +342,13 @@ def claims(cfg: Config, results: dict, before: dict) -> list[str]:
                   else f"one annealing length, not finished within {cfg.steps} steps")
     rows = [
         ("ExGRPO (arXiv 2510.02245)", "above on-policy RLVR: +3.5 pts in-distribution average (Qwen2.5-Math-7B)",
-         "Δ pass@1 ExGRPO − GRPO: " + verdict(paired(results, before, "exgrpo", "eval/pass@1"), n)),
+         f"Δ {name1} ExGRPO − GRPO: " + verdict(paired(results, before, "exgrpo", key1), n)),
         ("XRPO (arXiv 2510.06672)", "reaches GRPO's accuracy in 2.4–2.7x fewer steps (1.5B models)", xrpo),
         ("ExTra (arXiv 2606.24994)", "+5 pts pass@1 and +7 pts pass@16 over GRPO, six math benchmarks (Qwen3-1.7B)",
-         "Δ pass@1 ExTra − GRPO: " + verdict(paired(results, before, "extra", "eval/pass@1"), n)
-         + f"; Δ {top} (the largest k of our {cfg.eval_samples} samples): "
-         + verdict(paired(results, before, "extra", f"eval/{top}"), n)),
+         f"Δ {name1} ExTra − GRPO: " + verdict(paired(results, before, "extra", key1), n) + extra_k),
         ("EAPO (arXiv 2606.30420)", "above the same-recipe on-policy run for every annealing length T "
          "(Qwen2.5-Math-7B, Qwen3-8B; no numbers public)",
-         "Δ pass@1 EAPO − GRPO: " + verdict(paired(results, before, "eapo", "eval/pass@1"), n) + f"; {eapo_T}"),
+         f"Δ {name1} EAPO − GRPO: " + verdict(paired(results, before, "eapo", key1), n) + f"; {eapo_T}"),
     ]
     out = ["| paper | its claim | ours |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     out += ["", "What differs: the papers train 1.5B–8B models for hundreds of steps on competition math "
@@ -405,18 +414,22 @@ def report(cfg: Config, command: str, results: dict, before: dict, hours: tuple[
     png = plot(cfg, results, Path(cfg.out).with_suffix(".png")) if results else None
     noise = 100 * math.sqrt(0.3 * 0.7 / cfg.eval_size), 100 * math.sqrt(0.25 / cfg.eval_size)
     ks = ", ".join(label.removeprefix("pass@") for _, label in metrics(cfg) if label.startswith("pass@"))
+    ran_on = sorted({r["summary"]["machine"] or "not recorded" for by in results.values() for r in by.values()})
+    how = (f"pass@k (k = {ks}; unbiased) and maj@{cfg.eval_samples} come from {cfg.eval_samples} samples per problem "
+           f"at T = {cfg.temperature} (maj@1 is pass@1 in expectation)." if cfg.eval_samples else
+           f"Greedy accuracy from the runs' own evaluations at step 0 and step {cfg.steps} (--report-only: the "
+           "harness's own evaluation, pass@k and maj@k, was not run).")
     lines = [f"# Comparison: {', '.join(results) or 'no algorithm'}", "",
              f"Command: `{command}`  ",
              f"Setting: {cfg.model} on {cfg.task}, a training pool of {cfg.train_size}, {cfg.steps} steps of "
              f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions, {cfg.max_new_tokens} new tokens, "
              f"T = {cfg.temperature}; every other option is the algorithm file's default.  ",
-             f"Machine: {machine()}.  ",
+             f"Machine: {'; '.join(ran_on) if cfg.report_only else machine()}.  ",
              f"Time: {hours[0]:.1f} h in the runs' processes, {hours[1]:.1f} h in the harness's evaluations.", "",
              f"Gains over the start model in points: after − before on the same {cfg.eval_size} held-out problems of "
              f"each seed, mean ± std over seeds. One number has a standard error of {noise[0]:.1f} points at "
-             f"p = 0.3 ({noise[1]:.1f} at p = 0.5); a gain, paired on the same problems, somewhat less. pass@k "
-             f"(k = {ks}; unbiased) and maj@{cfg.eval_samples} come from {cfg.eval_samples} samples per problem at "
-             f"T = {cfg.temperature} (maj@1 is pass@1 in expectation). Train time: the runs' step times summed "
+             f"p = 0.3 ({noise[1]:.1f} at p = 0.5); a gain, paired on the same problems, somewhat less. {how} "
+             "Train time: the runs' step times summed "
              "(sampling, scoring, update; evaluation excluded). Rollouts and tokens: per run, mean over seeds. "
              "EAPO's cost leaves out its prior (the GRPO run of its seed).", ""]
     lines += table(cfg, results, before) + ["", "## The papers' claims and ours", ""] + claims(cfg, results, before)
@@ -447,6 +460,30 @@ def run_all(cfg: Config, present: list[str], seeds: list[int]):
             list(pool.map(lambda job: ensure_run(cfg, *job, log=True), wave))
 
 
+def from_runs(cfg: Config, present: list[str], seeds: list[int]):
+    """--report-only: results and start accuracies from the runs' own greedy evaluations, nothing run."""
+    results, before = {}, {}
+    for seed in seeds:
+        for algo in present:
+            run_dir = Path(cfg.runs_dir) / run_name(cfg, algo, seed)
+            if not (run_dir / "compare.json").is_file():
+                print(f"skip {run_dir}: not a run of this harness")
+                continue
+            made_with = json.loads((run_dir / "compare.json").read_text())["setting"]
+            check(made_with == setting(cfg), "runs_dir", f"runs made with this setting: {run_dir} differs in "
+                  f"{', '.join(k for k, v in made_with.items() if setting(cfg).get(k) != v)}")
+            summary = run_summary(cfg, algo, seed)
+            curve = summary["curve"]
+            if not curve or curve[0][0] != 0 or curve[-1][0] != cfg.steps:
+                print(f"skip {run_dir}: no evaluation at step 0 and step {cfg.steps} (not finished?)")
+                continue
+            # every algorithm of a seed starts from the same model on the same problems: one start accuracy
+            check(before.setdefault(seed, {"eval/greedy_acc": curve[0][3]})["eval/greedy_acc"] == curve[0][3],
+                  "runs_dir", f"runs of one seed that start from the same accuracy ({run_dir} does not)")
+            results.setdefault(algo, {})[seed] = {"eval": {"eval/greedy_acc": curve[-1][3]}, "summary": summary}
+    return results, before
+
+
 def collect(cfg: Config, present: list[str], seeds: list[int]):
     """Every run made or reused, every evaluation made or read from its cache. Returns results[algo][seed] (the
     final evaluation and the run's summary), before[seed] (the start model's evaluation), done[(algo, seed)] (did the
@@ -464,9 +501,9 @@ def collect(cfg: Config, present: list[str], seeds: list[int]):
                 done[algo, seed] = ensure_run(cfg, algo, seed)
             if not done[algo, seed]:
                 continue
-            run_dir = Path("runs") / run_name(cfg, algo, seed)
+            run_dir = Path(cfg.runs_dir) / run_name(cfg, algo, seed)
             if seed not in before:  # the start model, once per seed: the same for every algorithm
-                start = cached_eval(cfg, Path("runs") / f"{cfg.prefix}-start" / f"s{seed}.json", cfg.model, seed, 0)
+                start = cached_eval(cfg, Path(cfg.runs_dir) / f"{cfg.prefix}-start" / f"s{seed}.json", cfg.model, seed, 0)
                 before[seed], eval_s["start", seed] = start["eval"], start["eval_s"]
             after = cached_eval(cfg, run_dir / "compare_eval.json", checkpoint.find(run_dir / "checkpoint"), seed,
                                 cfg.steps)
@@ -491,14 +528,18 @@ def main(argv=None):
         print("skip eapo: its prior is a grpo.py run, and grpo.py does not exist")
         present.remove("eapo")
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if cfg.jobs > 1:
-            run_all(cfg, present, seeds)
-        results, before, done, eval_s = collect(cfg, present, seeds)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted: rerun the same command to continue (finished runs are reused, a stopped one "
-                         "resumes from its last checkpoint)\n")
-        sys.exit(130)
+    if cfg.report_only:
+        cfg.eval_samples, cfg.eval_size = 0, cfg.curve_size  # the table's numbers are the runs' own evaluations
+        (results, before), done, eval_s = from_runs(cfg, present, seeds), {}, {}
+    else:
+        try:
+            if cfg.jobs > 1:
+                run_all(cfg, present, seeds)
+            results, before, done, eval_s = collect(cfg, present, seeds)
+        except KeyboardInterrupt:
+            sys.stderr.write("interrupted: rerun the same command to continue (finished runs are reused, a stopped "
+                             "one resumes from its last checkpoint)\n")
+            sys.exit(130)
     results = {a: results[a] for a in present if a in results}  # table order = --algos order
     run_s = sum(results[a][s]["summary"]["wall_s"] for a in results for s in results[a])
     text = report(cfg, shlex.join(["python", "bench/compare.py", *argv]), results, before,

@@ -44,6 +44,7 @@ def cpu_flags() -> str:
 
 
 def n_params(run: Path) -> int:
+    """Parameters of the run's checkpoint; 0 when it has none (metrics copied from another machine)."""
     from safetensors import safe_open
 
     total = 0
@@ -51,6 +52,10 @@ def n_params(run: Path) -> int:
         with safe_open(str(f), "pt") as st:
             total += sum(_prod(st.get_slice(k).get_shape()) for k in st.keys())
     return total
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _prod(shape):
@@ -71,7 +76,8 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     sample_flops = 2 * params * total("perf/sampled_tokens")
     out = {"run": str(run), "acc_before": evals[0]["eval/greedy_acc"], "acc_after": evals[-1]["eval/greedy_acc"],
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps)}
-    print(f"\nrun {run}  (CPU flags: {cpu_flags()})")
+    # the flags of the machine this runs on: only meaningful for a run it made (wall is None for --run)
+    print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if wall is not None else ""))
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
           f"{out['acc_before']:.3f} -> {out['acc_after']:.3f} ({100 * (out['acc_after'] - out['acc_before']):+.1f} points) |")
@@ -85,11 +91,20 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     print(f"| peak RSS | {out['peak_rss_gb']:.2f} GB |")
     by_step = ", ".join(f"{steps[i].get('perf/peak_rss_gb', 0):.2f}" for i in (0, len(steps) // 2, -1))
     print(f"| peak RSS so far at the first, middle and last step | {by_step} GB |")
-    print(f"| sampled tokens (all steps) | {total('perf/sampled_tokens'):.0f} ({sample_flops / 1e12:.2f} TFLOP at 2 x {params / 1e6:.0f}M per token) |")
-    print(f"| tokens through the training forward | {total('perf/train_fwd_tokens'):.0f} ({train_flops / 1e12:.2f} TFLOP at 6 x params) |")
-    print(f"| training + sampling time predicted at {predict_gflops:.0f} GFLOP/s | "
-          f"{(train_flops + sample_flops) / (predict_gflops * 1e9):.0f} s (matmul-bound lower bound) |")
+    print(f"| sampled tokens (all steps) | {total('perf/sampled_tokens'):.0f}"
+          + (f" ({sample_flops / 1e12:.2f} TFLOP at 2 x {params / 1e6:.0f}M per token) |" if params else " |"))
+    print(f"| tokens through the training forward | {total('perf/train_fwd_tokens'):.0f}"
+          + (f" ({train_flops / 1e12:.2f} TFLOP at 6 x params) |" if params else " |"))
+    if params:
+        print(f"| training + sampling time predicted at {predict_gflops:.0f} GFLOP/s | "
+              f"{(train_flops + sample_flops) / (predict_gflops * 1e9):.0f} s (matmul-bound lower bound) |")
     print(f"| reward, first -> last step | {steps[0]['reward/mean']:.3f} -> {steps[-1]['reward/mean']:.3f} |")
+    # the algorithm's own metrics (exgrpo/..., xrpo/..., extra/..., eapo/...): is its mechanism acting?
+    own = sorted({k for r in steps for k in r if "/" in k and k.split("/")[0] in ALGOS[1:] and _number(r[k])})
+    for k in own:
+        at = [r for r in (steps[0], steps[len(steps) // 2], steps[-1])]
+        print(f"| {k} at steps {', '.join(str(r['step']) for r in at)} | "
+              f"{', '.join(f'{r[k]:.3g}' if k in r else '-' for r in at)} |")
     return out
 
 
@@ -135,7 +150,7 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path,
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", type=Path, help="summarise this run folder instead of starting one")
+    p.add_argument("--run", type=Path, nargs="+", help="summarise these run folders instead of starting runs")
     p.add_argument("--algo", default="grpo", help="the algorithm file(s), comma-separated: grpo, exgrpo, xrpo, extra, eapo")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of each algorithm per seed")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (for a GPU; 1 on a CPU)")
@@ -144,7 +159,9 @@ def main():
     args, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
     if args.run:
-        return summarise(args.run, predict_gflops=args.predict_gflops)
+        for run in args.run:
+            summarise(run, predict_gflops=args.predict_gflops)
+        return
     algos = [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:
