@@ -76,7 +76,6 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     sample_flops = 2 * params * total("perf/sampled_tokens")
     out = {"run": str(run), "acc_before": evals[0]["eval/greedy_acc"], "acc_after": evals[-1]["eval/greedy_acc"],
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps)}
-    # the flags of the machine this runs on: only meaningful for a run it made (wall is None for --run)
     print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if wall is not None else ""))
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
