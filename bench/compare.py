@@ -226,10 +226,10 @@ def run_summary(cfg: Config, algo: str, seed: int) -> dict:
         if "perf/step_s" in r:
             replayed = round(r.get("exgrpo/replay_share", 0.0) * cfg.prompts_per_step)
             rollouts += per_step - replayed
-            # the step's completion tokens (perf/sample_tok_s x perf/sample_s where a file does not log them); for
-            # ExGRPO the replayed share is taken out in proportion to rollouts (their lengths are not logged)
-            batch_tokens = r.get("perf/sampled_tokens", r["perf/sample_tok_s"] * r["perf/sample_s"])
-            tok_sampled += batch_tokens * (per_step - replayed) / per_step
+            # the step's sampled tokens; where a run did not log them (older files), the batch's completion tokens
+            # (perf/sample_tok_s x perf/sample_s) with ExGRPO's replayed share taken out in proportion to rollouts
+            tok_sampled += r["perf/sampled_tokens"] if "perf/sampled_tokens" in r else (
+                r["perf/sample_tok_s"] * r["perf/sample_s"] * (per_step - replayed) / per_step)
             tok_trained += r["perf/train_tok_s"] * r["perf/train_s"]  # = tokens through the loss, all epochs
             train_s += r["perf/step_s"]
         if "eval/greedy_acc" in r:
