@@ -23,6 +23,8 @@ matmul rate (--predict-gflops).
 """
 import argparse
 import json
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -82,7 +84,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
           f"{out['acc_before']:.3f} -> {out['acc_after']:.3f} ({100 * (out['acc_after'] - out['acc_before']):+.1f} points) |")
     print(f"| steps | {len(steps)} |")
     if wall is not None:
-        print(f"| wall time (model load and evaluations included) | {wall:.0f} s |")
+        print(f"| wall time (evaluations included) | {wall:.0f} s |")
     print(f"| step time (mean) | {mean('perf/step_s'):.1f} s |")
     for part in ("sample", "score", "train"):
         share = mean(f"perf/{part}_s") / mean("perf/step_s")
@@ -103,8 +105,31 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     for k in own:
         at = [r for r in (steps[0], steps[len(steps) // 2], steps[-1])]
         print(f"| {k} at steps {', '.join(str(r['step']) for r in at)} | "
-              f"{', '.join(f'{r[k]:.3g}' if k in r else '-' for r in at)} |")
+              f"{', '.join(f'{r[k]:.3g}' if _number(r.get(k)) else '-' for r in at)} |")
     return out
+
+
+def logged_time(run: Path) -> float | None:
+    """The run's own time from the last line of the log beside it (runs/<name>.log, written with --jobs > 1)."""
+    log = Path(f"{run}.log")
+    found = re.findall(r"steps in (\d+)m(\d+)s", log.read_text()) if log.is_file() else []
+    return 60 * int(found[-1][0]) + int(found[-1][1]) if found else None
+
+
+def overview(results: list):
+    """One row per run, then the mean +- std of the gain over seeds per algorithm."""
+    if len(results) < 2:
+        return
+    print("\n| algorithm | seed | before -> after | gain | wall | peak RSS |\n|---|---|---|---|---|---|")
+    for algo, seed, r in results:
+        wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
+        print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
+              f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {r['peak_rss_gb']:.2f} GB |")
+    print("\n| algorithm | runs | gain, mean ± std (points) |\n|---|---|---|")
+    for algo in dict.fromkeys(a for a, _, _ in results):
+        gains = [100 * (r["acc_after"] - r["acc_before"]) for a, _, r in results if a == algo]
+        spread = f" ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else ""
+        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} |")
 
 
 def finished_run(algo: str, seed: int) -> Path | None:
@@ -124,10 +149,10 @@ def finished_run(algo: str, seed: int) -> Path | None:
 
 def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path, float, float]:
     """One `python <algo>.py` in a child that reports its own child's peak RSS (so runs do not mix)."""
-    name = time.strftime(f"bench-{algo}-s{seed}-%Y%m%d-%H%M%S")
     if algo == "eapo" and "--prior" not in rest:  # EAPO's first command: the prior is a grpo.py run
         prior = finished_run("grpo", seed) or run_once("grpo", seed, rest, log)[0]
         rest = [*rest, "--prior", str(prior / "checkpoint")]
+    name = time.strftime(f"bench-{algo}-s{seed}-%Y%m%d-%H%M%S")
     cmd = [sys.executable, str(REPO / f"{algo}.py"), "--run-name", name, "--seed", str(seed), *rest]
     print("run:", " ".join(cmd[1:]), flush=True)
     # the child's output streams as usual; its peak RSS comes back on the probe's stderr, last line
@@ -158,9 +183,16 @@ def main():
     args, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
     if args.run:
+        results = []
         for run in args.run:
-            summarise(run, predict_gflops=args.predict_gflops)
-        return
+            if run.suffix == ".log" and run.is_file():  # a shell glob also matches the runs' logs beside them
+                continue
+            if not (run / "metrics.jsonl").is_file():
+                sys.exit(f"bench/default_run.py: --run: {run / 'metrics.jsonl'} not found (expected a run folder)")
+            name = re.fullmatch(r"bench-(\w+)-s(\d+)-.*", run.name)
+            results.append((name[1] if name else run.name, int(name[2]) if name else -1,
+                            summarise(run, wall=logged_time(run), predict_gflops=args.predict_gflops)))
+        return overview(results)
     algos = [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:
@@ -174,11 +206,7 @@ def main():
         with ThreadPoolExecutor(args.jobs) as pool:
             done += list(pool.map(lambda job: (job, run_once(*job, rest, log=args.jobs > 1)), wave))
     results = [(algo, seed, summarise(*run, predict_gflops=args.predict_gflops)) for (algo, seed), run in done]
-    if len(results) > 1:
-        print("\n| algorithm | seed | before -> after | gain | wall | peak RSS |\n|---|---|---|---|---|---|")
-        for algo, seed, r in results:
-            print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
-                  f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {r['wall_s']:.0f} s | {r['peak_rss_gb']:.2f} GB |")
+    overview([(algo, seed, r) for algo, seed, r in results])
 
 
 if __name__ == "__main__":

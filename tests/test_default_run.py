@@ -1,0 +1,33 @@
+"""bench/default_run.py on a tiny model: EAPO's two commands (its prior made first), the tables, --run again."""
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "3",
+        "--train-size", "8", "--micro-batch", "4", "--dtype", "float32", "--device", "cpu"]
+
+
+def bench(tmp_path, *args):
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
+    out = bench(tmp_path, "--algo", "eapo", "--seeds", "0", "--jobs", "2", "--", "--model", str(tiny_model_dir), *TINY)
+    runs = sorted((tmp_path / "runs").glob("bench-*-s0-*[0-9]"))
+    assert [r.name.split("-")[1] for r in runs] == ["eapo", "grpo"]  # the prior was made first, by grpo.py
+    assert f"--prior {Path('runs') / runs[1].name / 'checkpoint'}" in out  # ... and eapo.py was given it
+    assert "| eapo/lambda at steps 1, 1, 1 |" in out and "| greedy accuracy, step 0 -> step 1 |" in out
+    again = bench(tmp_path, "--run", *map(str, runs), str(runs[0]) + ".log")  # a glob's .log files are skipped
+    assert again.count("| greedy accuracy, step 0 -> step 1 |") == 2
+    assert "| eapo | 0 |" in again and "| grpo | 0 |" in again  # the overview, one row per run
+
+
+def test_bad_algo_and_missing_run_are_one_line_errors(tmp_path):
+    for args, field in ((["--algo", "ppo"], "--algo"), (["--run", str(tmp_path / "nope")], "--run")):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
