@@ -3,6 +3,8 @@
     python bench/compare.py                                   # five algorithms x seeds 0,1,2 x 15 steps (CPU: hours)
     python bench/compare.py --algos grpo,xrpo --seeds 0 --steps 5    # narrow it
     python bench/compare.py --model DIR --task gsm8k --device cuda   # another shared setting (see --help)
+    python bench/compare.py --device cuda --jobs 12                  # one GPU: 12 runs, then evaluations, at once
+    python bench/compare.py --report-only --runs-dir bench/results/h100-2026-11-23   # from committed metrics
 
 Every run is its own process, started with the command line a user would type (printed before it starts), from the
 current folder, so its run lands in runs/<prefix>-<algo>-s<seed>. All runs share the model, the task, the training
@@ -60,7 +62,7 @@ class Config:
     temperature: float = 0.8  # sampling temperature, in training and for pass@k / maj@k (as the runs evaluate)
     device: str = "auto"  # auto, cpu or cuda (runs and evaluation)
     # a small model leaves a GPU mostly idle, so several runs can share it; on a CPU they would fight for the cores
-    jobs: int = 1  # runs at once (each run's output then goes to runs/<its name>.log)
+    jobs: int = 1  # runs (then evaluations) at once; each run's output then goes to runs/<its name>.log
     dtype: str = "auto"  # auto, float32 or bfloat16 (runs and evaluation)
     # evaluation
     eval_size: int = 280  # held-out problems: a standard error of at most sqrt(0.25 / 280) = 3.0 points per number
@@ -460,6 +462,24 @@ def run_all(cfg: Config, present: list[str], seeds: list[int]):
             list(pool.map(lambda job: ensure_run(cfg, *job, log=True), wave))
 
 
+def eval_all(cfg: Config, present: list[str], seeds: list[int]):
+    """--jobs > 1: the evaluations collect() needs (each seed's start model, every finished run), up to cfg.jobs at
+    once, each in its own process; collect() then reads them from their caches."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    todo = []
+    for seed in seeds:
+        runs = [Path(cfg.runs_dir) / run_name(cfg, a, seed) for a in present]
+        runs = [r for r in runs if checkpoint_step(r) == cfg.steps]
+        if runs:
+            todo.append((Path(cfg.runs_dir) / f"{cfg.prefix}-start" / f"s{seed}.json", cfg.model, seed, 0))
+        todo += [(r / "compare_eval.json", checkpoint.find(r / "checkpoint"), seed, cfg.steps) for r in runs]
+    if todo:
+        with ProcessPoolExecutor(cfg.jobs, mp_context=get_context("spawn")) as pool:
+            list(pool.map(cached_eval, [cfg] * len(todo), *zip(*todo)))
+
+
 def from_runs(cfg: Config, present: list[str], seeds: list[int]):
     """--report-only: results and start accuracies from the runs' own greedy evaluations, nothing run."""
     results, before = {}, {}
@@ -535,6 +555,7 @@ def main(argv=None):
         try:
             if cfg.jobs > 1:
                 run_all(cfg, present, seeds)
+                eval_all(cfg, present, seeds)
             results, before, done, eval_s = collect(cfg, present, seeds)
         except KeyboardInterrupt:
             sys.stderr.write("interrupted: rerun the same command to continue (finished runs are reused, a stopped "

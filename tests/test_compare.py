@@ -74,6 +74,15 @@ def test_two_algorithms_one_step_then_reuse(tiny_model_dir, workdir, monkeypatch
     tables = lambda t: [line for line in t.splitlines() if line.startswith("|")]  # noqa: E731
     assert tables((workdir / "out/again.md").read_text()) == tables(text)
 
+    # --report-only: the table from the runs' own greedy evaluations, nothing run or evaluated (still patched)
+    compare.main([*tiny_argv(tiny_model_dir), "--report-only", "--out", "out/report.md"])
+    report = (workdir / "out/report.md").read_text()
+    for algo in ALGOS:
+        rows = read_rows(workdir / "runs" / f"cmp-{algo}-s{SEEDS[0]}")
+        gain = 100 * (rows[-1]["eval/greedy_acc"] - rows[0]["eval/greedy_acc"])
+        assert table_row(report, algo)[2] == (f"{gain:+.1f}" if len(SEEDS) == 1 else table_row(report, algo)[2])
+    assert "| algorithm | seeds | Δ greedy | train time |" in report and "pass@k not measured" in report
+
     # more steps: the finished run is continued from its checkpoint, not started again
     argv = tiny_argv(tiny_model_dir, out="out/longer.md")
     argv[argv.index("--algos") + 1], argv[argv.index("--steps") + 1] = "grpo", "2"
@@ -128,3 +137,18 @@ def test_claims_and_table_from_numbers():
     assert "GRPO first reaches its final 40.0% at step 15.0, XRPO at step 5.0: 3.0x fewer steps: same way" in text
     assert "EAPO − GRPO: -3.0 pts (3 seeds, s.e. 0.6): opposite way;" in text and "T = 8 steps" in text
     assert "ExTra − GRPO: not measured" in text
+
+
+def test_jobs_runs_and_evaluations_side_by_side(tiny_model_dir, workdir, capsys):
+    """--jobs 2: the runs, then the evaluations, two at a time (each run's output in its log); same table."""
+    argv = [*tiny_argv(tiny_model_dir), "--algos", "grpo", "--seeds", "0,1", "--jobs", "2"]
+    compare.main(argv)
+    for seed in (0, 1):
+        run = workdir / "runs" / f"cmp-grpo-s{seed}"
+        assert (workdir / "runs" / f"cmp-grpo-s{seed}.log").read_text().count("done: greedy accuracy") == 1
+        start = json.loads((workdir / f"runs/cmp-start/s{seed}.json").read_text())["eval"]
+        after = json.loads((run / "compare_eval.json").read_text())["eval"]
+        rows = read_rows(run)
+        assert start["eval/greedy_acc"] == rows[0]["eval/greedy_acc"]
+        assert after["eval/greedy_acc"] == rows[-1]["eval/greedy_acc"]
+    assert table_row((workdir / "out/table.md").read_text(), "grpo")[1] == "2"
