@@ -22,7 +22,6 @@ so the mechanisms refuse to run there (the host alone runs). The rest as in grpo
 """
 import copy
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -35,7 +34,7 @@ from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
 from common.embed import embed
 from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate
-from common.logger import MetricsLog
+from common.logger import MetricsLog, peak_rss_gb
 from common.model import Transformer, compute_dtype
 from common.sampler import generate
 from common.tasks import format_question, load_task
@@ -315,16 +314,6 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
         "perf/sample_s": t_sample - t0, "perf/score_s": t_score - t_sample, "perf/train_s": t_train - t_score,
         "perf/step_s": t_train - t0, "perf/peak_rss_gb": peak_rss_gb(),
     }
-
-
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far (Linux and macOS; 0 elsewhere)."""
-    try:
-        import resource
-    except ImportError:
-        return 0.0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB on Linux
 
 
 # Ranks' metrics are averaged, except these: totals are summed, maxima maxed.

@@ -1,6 +1,7 @@
 """Metrics: one JSON object per line in runs/<run-name>/metrics.jsonl, and a short line on the console."""
 import json
 import math
+import sys
 from pathlib import Path
 
 # What the console line shows, in order, with its short label (the file gets every metric).
@@ -54,3 +55,13 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (Linux and macOS; 0 elsewhere)."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB on Linux
