@@ -504,6 +504,28 @@ def from_runs(cfg: Config, present: list[str], seeds: list[int]):
     return results, before
 
 
+def cached_harness_evals(cfg: Config, present: list[str], seeds: list[int]) -> list[str]:
+    """--report-only: the harness's own evaluations that exist in the runs folder (a run whose final evaluation
+    and its seed's start evaluation are both cached), as after − before in points; [] if there are none."""
+    names = ("eval/greedy_acc", "eval/pass@1", "eval/pass@4", "eval/pass@8", f"eval/maj@{cfg.eval_samples}")
+    rows, size = [], None
+    for seed in seeds:
+        start_file = Path(cfg.runs_dir) / f"{cfg.prefix}-start" / f"s{seed}.json"
+        for algo in present:
+            after_file = Path(cfg.runs_dir) / run_name(cfg, algo, seed) / "compare_eval.json"
+            if not (start_file.is_file() and after_file.is_file()):
+                continue
+            start, after = (json.loads(f.read_text()) for f in (start_file, after_file))
+            size = after["key"]["eval_size"]
+            gains = [f"{100 * (after['eval'][k] - start['eval'][k]):+.1f}" if k in after["eval"] else "-" for k in names]
+            rows.append(f"| {algo} | {seed} | " + " | ".join(gains) + " |")
+    if not rows:
+        return []
+    return (["", f"## The harness's own evaluations that finished ({size} problems, {cfg.eval_samples} samples)", "",
+             "| algorithm | seed | " + " | ".join(f"Δ {k.removeprefix('eval/')}" for k in names) + " |",
+             "|---" * (len(names) + 2) + "|"] + rows)
+
+
 def collect(cfg: Config, present: list[str], seeds: list[int]):
     """Every run made or reused, every evaluation made or read from its cache. Returns results[algo][seed] (the
     final evaluation and the run's summary), before[seed] (the start model's evaluation), done[(algo, seed)] (did the
@@ -548,7 +570,9 @@ def main(argv=None):
         print("skip eapo: its prior is a grpo.py run, and grpo.py does not exist")
         present.remove("eapo")
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    harness_evals = []
     if cfg.report_only:
+        harness_evals = cached_harness_evals(cfg, present, seeds)
         cfg.eval_samples, cfg.eval_size = 0, cfg.curve_size  # the table's numbers are the runs' own evaluations
         (results, before), done, eval_s = from_runs(cfg, present, seeds), {}, {}
     else:
@@ -564,7 +588,7 @@ def main(argv=None):
     results = {a: results[a] for a in present if a in results}  # table order = --algos order
     run_s = sum(results[a][s]["summary"]["wall_s"] for a in results for s in results[a])
     text = report(cfg, shlex.join(["python", "bench/compare.py", *argv]), results, before,
-                  (run_s / 3600, sum(eval_s.values()) / 3600))
+                  (run_s / 3600, sum(eval_s.values()) / 3600)) + "\n".join(harness_evals + [""] * bool(harness_evals))
     Path(cfg.out).write_text(text)
     print("\n" + text + f"wrote {cfg.out}")
     failed = [f"{a}-s{s}" for (a, s), ok in done.items() if not ok]

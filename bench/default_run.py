@@ -6,6 +6,7 @@ peak memory, and the work done (training FLOPs, sampled tokens), for one or seve
     python bench/default_run.py --algo exgrpo         # `python exgrpo.py` (its defaults); also xrpo, extra, eapo
     python bench/default_run.py --algo eapo           # EAPO's two commands: a grpo.py run of the seed, then eapo.py
     python bench/default_run.py --run runs/NAME       # only summarise a run that already exists
+    python bench/default_run.py --run runs/NAME --held-out 500   # ... and re-evaluate it on 500 problems
     python bench/default_run.py --seeds 0 -- --dtype float32 --steps 20   # options after -- go to the file
     python bench/default_run.py --algo grpo,exgrpo --seeds 0 1 2 --jobs 6 -- --device cuda   # a GPU at once
 
@@ -103,7 +104,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     # the algorithm's own metrics (exgrpo/..., xrpo/..., extra/..., eapo/...): is its mechanism acting?
     own = sorted({k for r in steps for k in r if "/" in k and k.split("/")[0] in ALGOS[1:] and _number(r[k])})
     for k in own:
-        at = [r for r in (steps[0], steps[len(steps) // 2], steps[-1])]
+        at = (steps[0], steps[len(steps) // 2], steps[-1])
         print(f"| {k} at steps {', '.join(str(r['step']) for r in at)} | "
               f"{', '.join(f'{r[k]:.3g}' if _number(r.get(k)) else '-' for r in at)} |")
     return out
@@ -114,6 +115,26 @@ def logged_time(run: Path) -> float | None:
     log = Path(f"{run}.log")
     found = re.findall(r"steps in (\d+)m(\d+)s", log.read_text()) if log.is_file() else []
     return 60 * int(found[-1][0]) + int(found[-1][1]) if found else None
+
+
+def reevaluate(run: Path, size: int) -> tuple[float, float]:
+    """Greedy accuracy of the run's start model and of its checkpoint on `size` held-out problems of its seed, as
+    the run evaluates (for arith its own problems are the first of them): a second look with less noise."""
+    import torch
+
+    from bench.compare import Config, evaluate_model
+    from common import checkpoint
+
+    ckpt = checkpoint.find(run / "checkpoint")
+    if ckpt is None:
+        sys.exit(f"bench/default_run.py: --held-out: {run / 'checkpoint'} holds no checkpoint to evaluate")
+    cfg = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)["extra"]["config"]
+    evals = [evaluate_model(Config(model=cfg["model"], task=cfg["task"], eval_size=size, eval_samples=0,
+                                   max_new_tokens=cfg["max_new_tokens"], device=cfg["device"], dtype=cfg["dtype"]),
+                            model, cfg["seed"])["eval/greedy_acc"] for model in (cfg["model"], ckpt)]
+    print(f"| greedy accuracy on {size} held-out problems, start -> checkpoint | {evals[0]:.3f} -> {evals[1]:.3f} "
+          f"({100 * (evals[1] - evals[0]):+.1f} points) |")
+    return evals[0], evals[1]
 
 
 def overview(results: list):
@@ -162,10 +183,14 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path,
     t0 = time.time()
     Path("runs").mkdir(exist_ok=True)
     out = open(Path("runs") / f"{name}.log", "w") if log else None
-    r = subprocess.run([sys.executable, "-c", probe, *cmd], stdout=out, stderr=subprocess.PIPE, text=True)
+    try:
+        r = subprocess.run([sys.executable, "-c", probe, *cmd], stdout=out, stderr=subprocess.PIPE, text=True)
+        lines = r.stderr.splitlines()
+        print("\n".join(line for line in lines if not line.startswith("PEAK_RSS_KB")), file=out or sys.stderr)
+    finally:
+        if out:
+            out.close()
     wall = time.time() - t0
-    lines = r.stderr.splitlines()
-    print("\n".join(line for line in lines if not line.startswith("PEAK_RSS_KB")), file=out or sys.stderr)
     if r.returncode:
         sys.exit(f"bench/default_run.py: {' '.join(cmd[1:])} failed with exit code {r.returncode}")
     kb = [float(line.split()[1]) for line in lines if line.startswith("PEAK_RSS_KB")]
@@ -178,6 +203,8 @@ def main():
     p.add_argument("--algo", default="grpo", help="the algorithm file(s), comma-separated: grpo, exgrpo, xrpo, extra, eapo")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of each algorithm per seed")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (for a GPU; 1 on a CPU)")
+    p.add_argument("--held-out", type=int, default=0,
+                   help="with --run: also evaluate the start model and the checkpoint greedily on this many held-out problems")
     p.add_argument("--predict-gflops", type=float, default=111.0,
                    help="matmul rate for the time prediction (111: fp32 on 2 cores of an AVX2-only AMD EPYC)")
     args, rest = p.parse_known_args()
@@ -192,6 +219,8 @@ def main():
             name = re.fullmatch(r"bench-(\w+)-s(\d+)-.*", run.name)
             results.append((name[1] if name else run.name, int(name[2]) if name else -1,
                             summarise(run, wall=logged_time(run), predict_gflops=args.predict_gflops)))
+            if args.held_out:
+                reevaluate(run, args.held_out)
         return overview(results)
     algos = [a for a in args.algo.split(",") if a]
     for a in algos:

@@ -82,6 +82,11 @@ def test_two_algorithms_one_step_then_reuse(tiny_model_dir, workdir, monkeypatch
         gain = 100 * (rows[-1]["eval/greedy_acc"] - rows[0]["eval/greedy_acc"])
         assert table_row(report, algo)[2] == (f"{gain:+.1f}" if len(SEEDS) == 1 else table_row(report, algo)[2])
     assert "| algorithm | seeds | Δ greedy | train time |" in report and "pass@k not measured" in report
+    # ... and the harness's own cached evaluations, after − before, beside it
+    start = json.loads((workdir / f"runs/cmp-start/s{SEEDS[0]}.json").read_text())["eval"]
+    after = json.loads((workdir / f"runs/cmp-grpo-s{SEEDS[0]}/compare_eval.json").read_text())["eval"]
+    row = table_row(report.split("## The harness's own evaluations that finished")[1], "grpo")
+    assert row[2] == f"{100 * (after['eval/greedy_acc'] - start['eval/greedy_acc']):+.1f}"
 
     # more steps: the finished run is continued from its checkpoint, not started again
     argv = tiny_argv(tiny_model_dir, out="out/longer.md")

@@ -1,4 +1,6 @@
 """bench/default_run.py on a tiny model: EAPO's two commands (its prior made first), the tables, --run again."""
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ TINY = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-n
 
 def bench(tmp_path, *args):
     r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -24,6 +26,11 @@ def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
     again = bench(tmp_path, "--run", *map(str, runs), str(runs[0]) + ".log")  # a glob's .log files are skipped
     assert again.count("| greedy accuracy, step 0 -> step 1 |") == 2
     assert "| eapo | 0 |" in again and "| grpo | 0 |" in again  # the overview, one row per run
+    # --held-out on the run's own problems (3) gives the run's own evaluations at step 0 and at its last step
+    rows = [json.loads(line) for line in (runs[1] / "metrics.jsonl").read_text().splitlines()]
+    accs = [r["eval/greedy_acc"] for r in rows if "eval/greedy_acc" in r]
+    held = bench(tmp_path, "--run", str(runs[1]), "--held-out", "3")
+    assert f"| greedy accuracy on 3 held-out problems, start -> checkpoint | {accs[0]:.3f} -> {accs[-1]:.3f}" in held
 
 
 def test_bad_algo_and_missing_run_are_one_line_errors(tmp_path):
