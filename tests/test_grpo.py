@@ -110,6 +110,31 @@ def test_first_update_is_reinforce_with_ratio_one(model):
     torch.testing.assert_close(grads[0], reinforce, atol=1e-6, rtol=1e-4)
 
 
+def test_zero_advantage_completions_are_not_run_but_counted(model):
+    """A group whose rewards are all equal (A = 0) is left out of the forward and backward, yet the gradient is the
+    full batch's: its tokens still count in the token-mean's denominator. With an entropy bonus (or KL), every
+    completion is run."""
+    b, _ = make_batch(skips=[0, 1, 0, 0, 0, 2, 0, 0])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])  # group 0 all right, group 1 of one
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    assert (adv[:4] == 0).all() and (adv[4:] != 0).all()
+    stats, grads = run_update(model, b, adv, micro_batch=3)
+    n_loss = (b.lengths - b.skip)
+    assert stats["tokens"] == int(n_loss[4:].sum())  # only the last group went through the model
+    model.zero_grad(set_to_none=True)
+    loss = sum(-adv[i] * plain_logprobs(model, b.context[i], b.tokens[i], 0.7)[int(b.skip[i]):].sum()
+               for i in range(4, 8)) / int(n_loss.sum())
+    loss.backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(grads[0], want, atol=1e-6, rtol=1e-4)
+    with_entropy, _ = run_update(model, b, adv, micro_batch=3, entropy_coef=0.01)
+    assert with_entropy["tokens"] == int(n_loss.sum())
+    # nothing to learn from: no forward at all, and the optimizer still steps on a zero gradient (AdamW's momentum
+    # moves the weights as it would have)
+    stats, grads = run_update(model, b, torch.zeros(8))
+    assert stats["tokens"] == 0 and stats["opt_steps"] == 1 and len(grads) == 1 and not grads[0].any()
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_give_the_big_batch_gradient(model, agg):
     b, rewards = make_batch(skips=[1, 0, 0, 2, 0, 1, 0, 0])
@@ -366,7 +391,9 @@ def test_loop_with_every_option_on(tmp_path, digit_model_dir):
 
 def test_diverged_run_stops_and_keeps_the_checkpoint(tmp_path, digit_model_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv = [*digit_run(digit_model_dir, tmp_path), "--run-name", "nan", "--save-every", "1", "--max-skipped", "2"]
+    # an entropy bonus runs every completion through the loss, also those of groups with advantage 0
+    argv = [*digit_run(digit_model_dir, tmp_path), "--run-name", "nan", "--save-every", "1", "--max-skipped", "2",
+            "--entropy-coef", "0.001"]
     grpo.main([*argv, "--steps", "2"])
     ckpt = tmp_path / "runs" / "nan" / "checkpoint"
     good = (ckpt / "model.safetensors").read_bytes()
