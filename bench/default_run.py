@@ -18,7 +18,8 @@ where one small-model run leaves the device mostly idle; on a CPU it only makes 
 The CPU's flags are printed with the table: a bf16 matmul runs ~900 GFLOP/s on 2 cores with AMX-BF16 and
 ~1 GFLOP/s with AVX2 only, so `--dtype auto` trains in bf16 on the first and fp32 on the second. Training FLOPs
 are counted as 6 x parameters x tokens through the training forward (each distinct prompt once, as the trainer
-packs a group after one copy of its prompt; attention's own FLOPs are left out, a few % at these lengths), and
+packs a group after one copy of its prompt; attention's own FLOPs are left out, a few % at these lengths; gradient
+checkpointing, on by default, runs the forward twice, 8 x in fact, so the prediction is a lower bound), and
 sampling as 2 x parameters per generated token, so the time on another machine can be predicted from its
 matmul rate (--predict-gflops).
 """
