@@ -57,7 +57,7 @@ class Config:
     # rollouts
     steps: int = 15  # training steps
     # The CPU defaults below (16 x 8 rollouts, 64 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
-    # step, most groups were all right or all wrong and only ~2 carried a gradient, so one seed gained 20 points and
+    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and
     # the next none; its right answers are short, and the long ones are rambling that ends wrong.
     prompts_per_step: int = 16  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
