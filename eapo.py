@@ -89,7 +89,7 @@ class Config:
     max_grad_norm: float = 1.0  # gradient clipping
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
-    grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, ~5% more time on CPU (more on GPU)
+    grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)

@@ -16,7 +16,7 @@ A run already finished (checkpoint at the last step) is reused, one stopped half
 harness can be stopped and started again. Evaluation: the runs evaluate themselves greedily on --curve-size held-out
 problems every --curve-every steps (the plot's points); the harness then evaluates the start model once per seed and
 each run's final checkpoint with common.evaluate.evaluate: greedy accuracy, pass@1/4/8 and maj@8 from 8 samples, on
-the same --eval-size held-out problems of that seed for all five. In-process, because that is the cheapest identical
+the same --eval-size held-out problems for every algorithm and seed (the algorithm files draw theirs the same way). In-process, because that is the cheapest identical
 evaluation: the start model is evaluated once per seed instead of once per run, and samples are drawn only at the
 two ends. Results are cached in each run folder (runs/<prefix>-start/ for the start model).
 
@@ -176,7 +176,8 @@ def ensure_run(cfg: Config, algo: str, seed: int, log: bool = False) -> bool:
 # ------------------------------------------------------------------------------------------------ evaluation
 
 def evaluate_model(cfg: Config, model_dir, seed: int) -> dict:
-    """Greedy accuracy, pass@k and maj@k of one model on the seed's held-out problems, as the runs evaluate."""
+    """Greedy accuracy, pass@k and maj@k of one model on the held-out problems the runs evaluate on; `seed` seeds
+    the samples."""
     import torch
 
     from common.evaluate import evaluate
@@ -187,8 +188,8 @@ def evaluate_model(cfg: Config, model_dir, seed: int) -> dict:
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     dtype = compute_dtype(device, cfg.dtype)
-    # the same problems as the runs' own evaluation: grpo.py's held-out set for this seed
-    held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=seed)[: cfg.eval_size]
+    # the same problems as the runs' own evaluation: grpo.py draws its held-out set with seed 0 for every seed
+    held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(model_dir)
     model = Transformer.from_pretrained(model_dir, device=device).to(dtype)  # as the runs' rollout copy
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -200,7 +201,8 @@ def cached_eval(cfg: Config, cache: Path, model_dir, seed: int, step: int) -> di
     """evaluate_model kept in `cache` (a JSON file), reused while the model's step and the settings are the same.
     Returns {"key", "eval": the metrics, "eval_s": the seconds it took}."""
     key = {"model": cfg.model, "step": step, "eval_size": cfg.eval_size, "eval_samples": cfg.eval_samples, "seed": seed,
-           "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "task": cfg.task, "dtype": cfg.dtype}
+           "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "task": cfg.task, "dtype": cfg.dtype,
+           "problems": "drawn with seed 0"}  # before, each seed drew its own: such a cache is stale
     if cache.is_file():
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
@@ -428,8 +430,8 @@ def report(cfg: Config, command: str, results: dict, before: dict, hours: tuple[
              f"T = {cfg.temperature}; every other option is the algorithm file's default.  ",
              f"Machine: {'; '.join(ran_on) if cfg.report_only else machine()}.  ",
              f"Time: {hours[0]:.1f} h in the runs' processes, {hours[1]:.1f} h in the harness's evaluations.", "",
-             f"Gains over the start model in points: after − before on the same {cfg.eval_size} held-out problems of "
-             f"each seed, mean ± std over seeds. One number has a standard error of {noise[0]:.1f} points at "
+             f"Gains over the start model in points: after − before on the same {cfg.eval_size} held-out problems "
+             f"for every algorithm, mean ± std over seeds. One number has a standard error of {noise[0]:.1f} points at "
              f"p = 0.3 ({noise[1]:.1f} at p = 0.5); a gain, paired on the same problems, somewhat less. {how} "
              "Train time: the runs' step times summed "
              "(sampling, scoring, update; evaluation excluded). Rollouts and tokens: per run, mean over seeds. "

@@ -119,8 +119,9 @@ def logged_time(run: Path) -> float | None:
 
 
 def reevaluate(run: Path, size: int) -> tuple[float, float]:
-    """Greedy accuracy of the run's start model and of its checkpoint on `size` held-out problems of its seed, as
-    the run evaluates (for arith its own problems are the first of them): a second look with less noise."""
+    """Greedy accuracy of the run's start model and of its checkpoint on `size` held-out problems, drawn as the run
+    draws its own (with seed 0 for every seed; for arith its own problems are the first of them): a second look with
+    less noise."""
     import torch
 
     from bench.compare import Config, evaluate_model
