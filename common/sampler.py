@@ -8,8 +8,9 @@ entropy of every generated token. Hand-written, in the spirit of gpt-fast.
     s.tokens, s.logprobs, s.entropies, s.finished
 
 One call, in three stages:
-  1. prefill  the distinct prompts, left-padded and without their last token, go through the model once
-              into a pre-allocated KV cache; `cache.select` then repeats each prompt's rows for its samples.
+  1. prefill  the distinct prompts, without their last token, go through the model once into a pre-allocated
+              KV cache (the start they all share, such as a chat template's system turn, once for all of
+              them); `cache.select` then repeats each prompt's rows for its samples.
   2. extend   every sample feeds [last prompt token, *its prefix] (a given start of the completion, if any),
               left-padded inside that segment. This yields the log-probs of the prefix tokens and the logits
               of the first new token. Padding in the middle of a row is fine: positions count real tokens.
@@ -99,11 +100,20 @@ def sample_from_logits(logits, temperature=1.0, top_k=0, top_p=1.0, generator=No
 
 # ------------------------------------------------------------------------------------------- forward
 
-def prefill(model, ids, mask, cache):
-    """ids, mask [U, W]: left-padded prompts into cache columns 0..W-1. Only the cache is wanted: asking for
-    hidden states skips the LM head, which would cost [U, W, vocab]."""
-    if ids.shape[1]:
-        model(ids, attention_mask=None if mask.all() else mask, cache=cache, return_hidden=True)
+def prefill(model, ids, mask, cache, shared=0):
+    """ids, mask [U, W]: prompts into cache columns 0..W-1, their first `shared` columns the same tokens in every
+    row (the chat template's system turn, ...), then each prompt's rest, left-padded. The shared columns go
+    through the model once, for one row, and are copied to the others: with a chat template they are often half
+    of each prompt. Only the cache is wanted: asking for hidden states skips the LM head ([U, W, vocab])."""
+    if shared and ids.shape[0] > 1:
+        one = model.new_cache(1, shared)
+        model(ids[:1, :shared], cache=one, return_hidden=True)
+        cache.k[:, :, :, :shared], cache.v[:, :, :, :shared] = one.k, one.v
+    else:
+        shared = 0
+    if ids.shape[1] > shared:
+        model(ids[:, shared:], attention_mask=None if mask.all() else mask, cache=cache, start=shared,
+              return_hidden=True)
 
 
 def decode_step(model, tok, pos, cache, col, mask):
@@ -187,10 +197,15 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
 
     with torch.inference_mode():
-        ids, pmask = _left_pad([p[:-1] for p in uniq], W, dev)  # [U, W]
+        # the distinct prompts without their last token: the start all of them share, then each one's rest,
+        # left-padded (padding in the middle of a row is fine: positions count real tokens)
+        C = _common_prefix_len([p[:-1] for p in uniq])
+        ids, pmask = _left_pad([p[C:-1] for p in uniq], W - C, dev)  # [U, W - C]
+        head = torch.tensor(next(iter(uniq))[:C], dtype=torch.long, device=dev).expand(len(uniq), C)
+        ids, pmask = torch.cat((head, ids), 1), torch.cat((torch.ones_like(head, dtype=torch.bool), pmask), 1)  # [U, W]
         seg, smask = _left_pad([[prompts[owner[s]][-1], *pre[s]] for s in range(S)], L + 1, dev)  # [S, L+1]
         cache = model.new_cache(len(uniq), max_len)
-        prefill(model, ids, pmask, cache)
+        prefill(model, ids, pmask, cache, shared=C)
         sel = torch.tensor(urow, device=dev)
         cache.select(sel)  # each prompt's cache rows, repeated for its samples
         mask = torch.zeros(S, max_len, dtype=torch.bool, device=dev)  # real tokens; columns turn on as written
@@ -206,7 +221,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
 
         follower = None if companion is None else _Follower(companion, S, steps, dev)
         if follower is not None:
-            follower.start(ids, pmask, urow, seg, mask, W + L + 1, padded)
+            follower.start(ids, pmask, C, urow, seg, mask, W + L + 1, padded)
         h = h[:, -1]  # [S, d], predicts the first new token
         pos = torch.tensor([len(prompts[owner[s]]) + len(pre[s]) for s in range(S)], device=dev)
         rows = torch.arange(S, device=dev)  # sample index of each active row
@@ -282,16 +297,16 @@ class _Follower:
         self.slot = torch.arange(S, device=dev)  # [S] each live sample's row in the policy's batch
         self.out = {}  # name -> [S, steps] extras
 
-    def start(self, ids, pmask, urow, seg, mask, width, padded):
+    def start(self, ids, pmask, shared, urow, seg, mask, width, padded):
         """The policy's prefill and extend (same columns, same padding) on the followed samples only: ids,
-        pmask [U, W] the distinct prompts, urow each sample's prompt, seg [S, width - W] the extend segments,
+        pmask [U, W] the distinct prompts (their first `shared` columns the same in every row), urow each sample's prompt, seg [S, width - W] the extend segments,
         mask [S, max_len] the policy's real-token mask with its first `width` columns filled."""
         model, rows = self.c.model, self.rows.tolist()
         if not rows:
             return
         uniq = sorted({urow[s] for s in rows})
         self.cache = model.new_cache(len(uniq), mask.shape[1])
-        prefill(model, ids[uniq], pmask[uniq], self.cache)
+        prefill(model, ids[uniq], pmask[uniq], self.cache, shared)
         self.cache.select(torch.tensor([uniq.index(urow[s]) for s in rows], dtype=torch.long, device=ids.device))
         self.mask, self.padded = mask[self.rows], padded  # [b, max_len], a copy: columns turn on as written
         self.h = model(seg[self.rows], attention_mask=self.mask[:, :width] if padded else None, cache=self.cache,
@@ -354,6 +369,14 @@ def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_
             s += 1
         groups.append(group)
     return groups
+
+
+def _common_prefix_len(seqs) -> int:
+    """How many leading tokens all of seqs (lists of ids) share."""
+    first, n = seqs[0], min(map(len, seqs))
+    for other in seqs[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
 
 
 def _left_pad(seqs, width, dev):

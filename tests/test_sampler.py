@@ -102,6 +102,21 @@ def test_logprobs_entropies_equal_full_forward_with_per_prompt_n(tiny):
     check_scores(model, prompts, groups, 0.7)
 
 
+def test_prompts_with_a_shared_start(tiny):
+    """Prompts that begin alike (a chat template's system turn) have that start prefilled once, for one row:
+    each must still decode and score exactly as alone, whatever its rest (none at all for the shortest)."""
+    model, _ = tiny["llama-gqa"]
+    head = rand_prompts([11], seed=5)[0]
+    prompts = [head + rest for rest in rand_prompts([4, 0, 7], seed=6)] + [head[:-1] + [head[-1] ^ 1]]
+    prompts[1] = head + [3]  # its prefill part is exactly the shared start
+    assert sampler._common_prefix_len([p[:-1] for p in prompts]) == 10
+    groups = generate(model, prompts, n=2, max_new_tokens=12, temperature=0.9, stop_ids=(), seed=3)
+    check_scores(model, prompts, groups, 0.9)
+    greedy = generate(model, prompts, max_new_tokens=12, temperature=0, stop_ids=())
+    for p, (s,) in zip(prompts, greedy):
+        assert s.tokens == generate(model, [p], max_new_tokens=12, temperature=0, stop_ids=())[0][0].tokens
+
+
 def test_duplicate_prompts_and_max_new_tokens_0(tiny):
     model, _ = tiny["llama-gqa"]
     p, q = rand_prompts([6, 9], seed=11)
