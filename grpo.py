@@ -77,7 +77,7 @@ class Config:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
-    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0

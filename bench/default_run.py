@@ -47,6 +47,20 @@ def cpu_flags() -> str:
     return " ".join(flags) or "none of amx_bf16/avx512_bf16/avx512f/avx2"
 
 
+def matmul_gflops() -> float:
+    """The fp32 matmul rate of this machine now, at a shape of the model's MLP ([4096 x 576] @ [576 x 1536]): on a
+    shared machine it moves by tens of % from hour to hour, so a run's wall time is read beside it."""
+    import torch
+
+    a, b = torch.randn(4096, 576), torch.randn(576, 1536)
+    for _ in range(3):
+        a @ b
+    t0, n = time.perf_counter(), 20
+    for _ in range(n):
+        a @ b
+    return 2 * 4096 * 576 * 1536 * n / (time.perf_counter() - t0) / 1e9
+
+
 def n_params(run: Path) -> int:
     """Parameters of the run's checkpoint; 0 when it has none (metrics copied from another machine)."""
     from safetensors import safe_open
@@ -69,7 +83,8 @@ def _prod(shape):
     return out
 
 
-def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None, predict_gflops: float = 111.0):
+def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None, predict_gflops: float = 111.0,
+              gflops: tuple | None = None):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/greedy_acc" in r]
     steps = [r for r in rows if "perf/step_s" in r]
@@ -87,6 +102,12 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     print(f"| steps | {len(steps)} |")
     if wall is not None:
         print(f"| wall time (evaluations included) | {wall:.0f} s |")
+    eval_s = [r["perf/eval_s"] for r in evals if "perf/eval_s" in r]
+    if eval_s:  # runs made before the evaluation timed itself have no perf/eval_s
+        print(f"| evaluations | {sum(eval_s):.0f} s ({' + '.join(f'{t:.0f}' for t in eval_s)}) |")
+    if eval_s and wall is not None:
+        print(f"| steps, all of them | {total('perf/step_s'):.0f} s |")
+        print(f"| the rest (start-up, loading, checkpoints) | {wall - sum(eval_s) - total('perf/step_s'):.0f} s |")
     print(f"| step time (mean) | {mean('perf/step_s'):.1f} s |")
     for part in ("sample", "score", "train"):
         share = mean(f"perf/{part}_s") / mean("perf/step_s")
@@ -101,6 +122,8 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     if params:
         print(f"| training + sampling time predicted at {predict_gflops:.0f} GFLOP/s | "
               f"{(train_flops + sample_flops) / (predict_gflops * 1e9):.0f} s (matmul-bound lower bound) |")
+    if gflops:
+        print(f"| this machine's fp32 matmul rate before / after the run | {gflops[0]:.0f} / {gflops[1]:.0f} GFLOP/s |")
     print(f"| reward, first -> last step | {steps[0]['reward/mean']:.3f} -> {steps[-1]['reward/mean']:.3f} |")
     # the algorithm's own metrics (exgrpo/..., xrpo/..., extra/..., eapo/...): is its mechanism acting?
     own = sorted({k for r in steps for k in r if "/" in k and k.split("/")[0] in ALGOS[1:] and _number(r[k])})
@@ -170,8 +193,9 @@ def finished_run(algo: str, seed: int) -> Path | None:
     return None
 
 
-def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path, float, float]:
-    """One `python <algo>.py` in a child that reports its own child's peak RSS (so runs do not mix)."""
+def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple:
+    """One `python <algo>.py` in a child that reports its own child's peak RSS (so runs do not mix). Returns the
+    run folder, wall seconds, peak RSS in GB, and this machine's matmul rate before and after (None with log=True)."""
     if algo == "eapo" and "--prior" not in rest:  # EAPO's first command: the prior is a grpo.py run
         prior = finished_run("grpo", seed) or run_once("grpo", seed, rest, log)[0]
         rest = [*rest, "--prior", str(prior / "checkpoint")]
@@ -182,6 +206,7 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path,
     probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
              "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
              "sys.exit(r.returncode)")
+    rate = matmul_gflops() if not log else None  # not beside other runs: they would share the cores
     t0 = time.time()
     Path("runs").mkdir(exist_ok=True)
     out = open(Path("runs") / f"{name}.log", "w") if log else None
@@ -196,7 +221,7 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple[Path,
     if r.returncode:
         sys.exit(f"bench/default_run.py: {' '.join(cmd[1:])} failed with exit code {r.returncode}")
     kb = [float(line.split()[1]) for line in lines if line.startswith("PEAK_RSS_KB")]
-    return Path("runs") / name, wall, (kb[-1] / 2 ** 20 if kb else None)
+    return Path("runs") / name, wall, (kb[-1] / 2 ** 20 if kb else None), (rate and (rate, matmul_gflops()))
 
 
 def main():
@@ -236,7 +261,8 @@ def main():
     for wave in waves:
         with ThreadPoolExecutor(args.jobs) as pool:
             done += list(pool.map(lambda job: (job, run_once(*job, rest, log=args.jobs > 1)), wave))
-    results = [(algo, seed, summarise(*run, predict_gflops=args.predict_gflops)) for (algo, seed), run in done]
+    results = [(algo, seed, summarise(path, wall, rss, args.predict_gflops, gflops))
+               for (algo, seed), (path, wall, rss, gflops) in done]
     overview([(algo, seed, r) for algo, seed, r in results])
 
 

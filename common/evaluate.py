@@ -19,9 +19,11 @@ from common.verifier import score
 
 @torch.no_grad()
 def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=64, seed=0) -> dict:
-    """Greedy accuracy on `problems`; with samples=n > 0 also pass@k for k = 1, 2, 4, ... n and maj@n."""
+    """Greedy accuracy on `problems`; with samples=n > 0 also pass@k for k = 1, 2, 4, ... n and maj@n; and the
+    seconds it took (perf/eval_s)."""
     was_training = model.training
     model.eval()
+    t0 = time.time()
     mine = problems[dist.rank()::dist.world()]  # each rank scores a strided share; counts are summed below
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= samples]
     totals = torch.zeros(2 + len(ks), dtype=torch.float64)  # greedy correct, maj correct, pass@k sums
@@ -45,6 +47,7 @@ def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=25
     if samples:
         out[f"eval/maj@{samples}"] = totals[1].item() / n
         out.update({f"eval/pass@{k}": totals[2 + j].item() / n for j, k in enumerate(ks)})
+    out["perf/eval_s"] = time.time() - t0
     model.train(was_training)
     return out
 

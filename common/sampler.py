@@ -29,6 +29,7 @@ from numbers import Integral
 
 import torch
 
+from common.logger import release_free_memory
 # the project's one softmax / log-prob / entropy, shared with the trainer's reference ops:
 # softmax_stats(logits [B, V], T) -> (logp [B, V], probs [B, V], entropy [B]); logprobs_entropy gathers from it
 from kernels.reference import logprobs_entropy, softmax_stats
@@ -185,6 +186,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     if S == 0:
         return [[] for _ in prompts]
     dev = model.lm_head.weight.device
+    release_free_memory()  # what the trainer freed goes back to the OS before the KV cache is allocated
     uniq = {}  # distinct prompts with samples, each prefilled once
     urow = [uniq.setdefault(tuple(prompts[i]), len(uniq)) for i in owner]
     W = max(len(p) for p in uniq) - 1  # prefill width: all but the last prompt token
@@ -276,11 +278,14 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
                 follower.feed(tok, pos, col)
             pos, col = pos + 1, col + 1
 
+    extras = {} if follower is None else follower.out
+    cache = h = logits = logp_all = probs = follower = None  # dropped here, not when generate returns
+    release_free_memory()  # and the caches' and the step temporaries' pages before the trainer runs
     # outside inference mode, so that the returned tensors can enter autograd code (as old log-probs)
     return _collect(ns, pre, out_tok.clone(), out_logp.clone(), out_ent.clone(), pre_logp.clone(),
                     pre_ent.clone(), stops.cpu(), out_h.clone() if return_hidden else None,
                     pre_h.float().clone() if return_hidden else None, return_hidden,
-                    {} if follower is None else {k: v.clone() for k, v in follower.out.items()})
+                    {k: v.clone() for k, v in extras.items()})
 
 
 class _Follower:
