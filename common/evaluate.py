@@ -18,29 +18,32 @@ from common.verifier import score
 
 
 @torch.no_grad()
-def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=64, seed=0) -> dict:
-    """Greedy accuracy on `problems`; with samples=n > 0 also pass@k for k = 1, 2, 4, ... n and maj@n; and the
-    seconds it took (perf/eval_s)."""
+def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=128, seed=0,
+             sample_batch=64) -> dict:
+    """Greedy accuracy on `problems`, `batch` problems per generate call; with samples=n > 0 also pass@k for
+    k = 1, 2, 4, ... n and maj@n, `sample_batch` problems (x n completions) per call; and the seconds it took
+    (perf/eval_s). The sampled completions are seeded per call: the same sample_batch, the same samples."""
     was_training = model.training
     model.eval()
     t0 = time.time()
     mine = problems[dist.rank()::dist.world()]  # each rank scores a strided share; counts are summed below
+    prompts = [tok.prompt(format_question(p)) for p in mine]
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= samples]
     totals = torch.zeros(2 + len(ks), dtype=torch.float64)  # greedy correct, maj correct, pass@k sums
     for i in range(0, len(mine), batch):
-        chunk = mine[i:i + batch]
-        prompts = [tok.prompt(format_question(p)) for p in chunk]
-        greedy = generate(model, prompts, n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=tok.stop_ids)
-        totals[0] += sum(score(tok.decode(g[0].tokens, skip_special=True), p.answer) for g, p in zip(greedy, chunk))
-        if samples:
-            sampled = generate(model, prompts, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                               stop_ids=tok.stop_ids, seed=seed + i)
-            for group, p in zip(sampled, chunk):
-                texts = [tok.decode(s.tokens, skip_special=True) for s in group]
-                correct = sum(score(t, p.answer) for t in texts)
-                totals[1] += maj_at_k_correct(texts, p.answer)
-                for j, k in enumerate(ks):
-                    totals[2 + j] += pass_at_k(samples, int(correct), k)
+        greedy = generate(model, prompts[i:i + batch], n=1, max_new_tokens=max_new_tokens, temperature=0.0,
+                          stop_ids=tok.stop_ids)
+        totals[0] += sum(score(tok.decode(g[0].tokens, skip_special=True), p.answer)
+                         for g, p in zip(greedy, mine[i:i + batch]))
+    for i in range(0, len(mine) if samples else 0, sample_batch):
+        sampled = generate(model, prompts[i:i + sample_batch], n=samples, max_new_tokens=max_new_tokens,
+                           temperature=temperature, stop_ids=tok.stop_ids, seed=seed + i)
+        for group, p in zip(sampled, mine[i:i + sample_batch]):
+            texts = [tok.decode(s.tokens, skip_special=True) for s in group]
+            correct = sum(score(t, p.answer) for t in texts)
+            totals[1] += maj_at_k_correct(texts, p.answer)
+            for j, k in enumerate(ks):
+                totals[2 + j] += pass_at_k(samples, int(correct), k)
     totals = dist.all_reduce_sum(totals)
     n = max(len(problems), 1)
     out = {"eval/greedy_acc": totals[0].item() / n}
@@ -61,7 +64,8 @@ class Config:
     samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
     temperature: float = 1.0  # sampling temperature for pass@k / maj@k
     max_new_tokens: int = 256  # generation budget per completion
-    batch: int = 64  # problems per generation call
+    batch: int = 128  # problems per greedy generation call
+    sample_batch: int = 64  # problems per sampled generation call (x samples completions each)
     seed: int = 0  # seeds the arith task and the sampler
     device: str = "auto"  # auto, cpu or cuda
 
@@ -73,7 +77,8 @@ def main():
     from common.tokenizer import Tokenizer
 
     cfg = parse(Config)
-    check(cfg.limit >= 0 and cfg.samples >= 0 and cfg.batch > 0, "limit/samples/batch", "non-negative numbers, batch > 0")
+    check(cfg.limit >= 0 and cfg.samples >= 0 and cfg.batch > 0 and cfg.sample_batch > 0, "limit/samples/batch",
+          "non-negative numbers, batch and sample_batch > 0")
     problems = load_task(cfg.data, cfg.split, n=cfg.limit or None, seed=cfg.seed)
     problems = problems[: cfg.limit] if cfg.limit else problems
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
@@ -81,9 +86,10 @@ def main():
     model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype)
     tok = Tokenizer.from_pretrained(cfg.model)
     t0 = time.time()
-    res = evaluate(model, tok, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens, cfg.batch, cfg.seed)
+    res = evaluate(model, tok, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens, cfg.batch, cfg.seed,
+                   cfg.sample_batch)
     print(f"{cfg.model} on {cfg.data}/{cfg.split} ({len(problems)} problems, {time.time() - t0:.0f}s): "
-          + "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in res.items()))
+          + "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in res.items() if k.startswith("eval/")))
 
 
 if __name__ == "__main__":
