@@ -18,7 +18,7 @@ from common.verifier import score
 
 
 @torch.no_grad()
-def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=128, seed=0,
+def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=64, seed=0,
              sample_batch=64) -> dict:
     """Greedy accuracy on `problems`, `batch` problems per generate call; with samples=n > 0 also pass@k for
     k = 1, 2, 4, ... n and maj@n, `sample_batch` problems (x n completions) per call; and the seconds it took
@@ -64,7 +64,9 @@ class Config:
     samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
     temperature: float = 1.0  # sampling temperature for pass@k / maj@k
     max_new_tokens: int = 256  # generation budget per completion
-    batch: int = 128  # problems per greedy generation call
+    # 64: with 128 a default CPU run was ~12% faster to evaluate, but the prefill of 128 prompts at once raised its
+    # peak memory by 0.4 GB (to 3.6), above that of a training step
+    batch: int = 64  # problems per greedy generation call
     sample_batch: int = 64  # problems per sampled generation call (x samples completions each)
     seed: int = 0  # seeds the arith task and the sampler
     device: str = "auto"  # auto, cpu or cuda
