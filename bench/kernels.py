@@ -79,7 +79,7 @@ def cpu_table(n, d, vocab, repeat):
     naive, ours = (results[v] for v in ("naive", "ours"))
     print(f"extra memory ours / naive: {(ours['peak_mb'] - base) / (naive['peak_mb'] - base):.3f}   "
           f"time ours / naive: {ours['seconds'] / naive['seconds']:.2f}")
-    chunk = max(1, kernels.ops.CHUNK_ELEMENTS // vocab)
+    chunk = max(1, kernels.ops.CPU_CHUNK_ELEMENTS // vocab)  # the chunk linear_logprobs_entropy takes on a CPU
     print(f"where ours' extra goes: weight.grad {vocab * d * 4 / MB:.0f} MB (the fp32 accumulator itself), "
           f"hidden.grad {n * d * 4 / MB:.0f} MB, two to three [chunk={chunk}, V] fp32 temporaries of "
           f"{chunk * vocab * 4 / MB:.0f} MB (logits, exp, mask), BLAS and allocator slack; "
