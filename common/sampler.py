@@ -10,7 +10,8 @@ entropy of every generated token. Hand-written, in the spirit of gpt-fast.
 One call, in three stages:
   1. prefill  the distinct prompts, without their last token, go through the model once into a pre-allocated
               KV cache (the start they all share, such as a chat template's system turn, once for all of
-              them); `cache.select` then repeats each prompt's rows for its samples.
+              them). Its samples then share each prompt's keys and values (`KVCache.share`): stored once,
+              and attention reads them once per prompt, not once per sample.
   2. extend   every sample feeds [last prompt token, *its prefix] (a given start of the completion, if any),
               left-padded inside that segment. This yields the log-probs of the prefix tokens and the logits
               of the first new token. Padding in the middle of a row is fine: positions count real tokens.
@@ -139,11 +140,13 @@ def drop_rows(cache, done, filled):
     n = int((~done).sum())
     holes = done[:n].nonzero()[:, 0]
     movers = (~done[n:]).nonzero()[:, 0] + n
+    filled -= cache.offset  # a shared cache's rows hold only the columns after the shared prompts
     for t in (cache.k, cache.v):
         t[:, holes, :, :filled] = t[:, movers, :, :filled]
     cache.k, cache.v = cache.k[:, :n], cache.v[:, :n]
     perm = torch.arange(n, device=done.device)
     perm[holes] = movers
+    cache.keep(perm)
     return perm
 
 
@@ -206,10 +209,15 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
         head = torch.tensor(next(iter(uniq))[:C], dtype=torch.long, device=dev).expand(len(uniq), C)
         ids, pmask = torch.cat((head, ids), 1), torch.cat((torch.ones_like(head, dtype=torch.bool), pmask), 1)  # [U, W]
         seg, smask = _left_pad([[prompts[owner[s]][-1], *pre[s]] for s in range(S)], L + 1, dev)  # [S, L+1]
-        cache = model.new_cache(len(uniq), max_len)
-        prefill(model, ids, pmask, cache, shared=C)
         sel = torch.tensor(urow, device=dev)
-        cache.select(sel)  # each prompt's cache rows, repeated for its samples
+        # With several samples per prompt the decode attends to one copy of each prompt's keys and values
+        # (KVCache.share): for 8 samples of arithmetic prompts ~0.3 GB less cache and half the bytes read by
+        # attention. A compiled step needs the plain cache (one fixed layout), and so does an unsorted urow.
+        share = not compile and W > 0 and S > len(uniq) and urow == sorted(urow)
+        cache = model.new_cache(len(uniq), W if share else max_len)
+        prefill(model, ids, pmask, cache, shared=C)
+        # each prompt's cache rows, shared by (or repeated for) its samples
+        cache = cache.share(sel, max_len) if share else cache.select(sel)
         mask = torch.zeros(S, max_len, dtype=torch.bool, device=dev)  # real tokens; columns turn on as written
         mask[:, :W], mask[:, W:W + L + 1] = pmask[sel], smask
         padded = not mask[:, :W + L + 1].all()

@@ -117,6 +117,40 @@ def test_prompts_with_a_shared_start(tiny):
         assert s.tokens == generate(model, [p], max_new_tokens=12, temperature=0, stop_ids=())[0][0].tokens
 
 
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
+def test_shared_prompt_cache_equals_repeated_rows(tiny, kind):
+    """KVCache.share (each prompt's keys and values stored once, read by all its rows) computes what the plain
+    cache with the prompt repeated per row does: left-padded prompts, a padded 3-token segment per row, then
+    decode steps with finished rows dropped (rows reordered) in between. Its rows hold only the new columns."""
+    model, _ = tiny[kind]
+    prompts = rand_prompts([7, 3, 5], seed=21)
+    owner = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    W, T, steps = 7, 3, 4
+    ids, pmask = sampler._left_pad(prompts, W, "cpu")
+    seg, smask = sampler._left_pad(rand_prompts([3, 2, 3, 1, 3, 3, 2], seed=22), T, "cpu")
+    mask = torch.cat((pmask[owner], smask, torch.ones(len(owner), steps, dtype=torch.bool)), 1)
+    with torch.no_grad():
+        plain, shared = model.new_cache(3, W + T + steps), model.new_cache(3, W)
+        sampler.prefill(model, ids, pmask, plain)
+        sampler.prefill(model, ids, pmask, shared)
+        plain, shared = plain.select(owner), shared.share(owner, W + T + steps)
+        assert shared.k.shape[3] == T + steps and shared.pk.shape[1] == 3
+        outs = [model(seg, attention_mask=mask[:, :W + T], cache=c, start=W, return_hidden=True) for c in (plain, shared)]
+        torch.testing.assert_close(outs[1][smask], outs[0][smask], atol=1e-5, rtol=1e-5)
+        rows = torch.arange(len(owner))
+        for t, done in enumerate([[0, 1, 0, 0, 0, 0, 1], [0] * 5, [1, 0, 0, 1, 0]]):
+            col = W + T + t
+            tok = torch.randint(0, 256, (len(rows),), generator=torch.Generator().manual_seed(t))
+            pos = mask[rows, :col + 1].sum(1) - 1
+            hs = [sampler.decode_step(model, tok, pos, c, col, mask[rows]) for c in (plain, shared)]
+            torch.testing.assert_close(hs[1], hs[0], atol=1e-5, rtol=1e-5)
+            done = torch.tensor(done, dtype=torch.bool)
+            keep = [sampler.drop_rows(c, done, col + 1) for c in (plain, shared)]
+            assert torch.equal(keep[0], keep[1])
+            rows = rows[keep[0]]
+        assert torch.equal(shared.owner, owner[rows])
+
+
 def test_duplicate_prompts_and_max_new_tokens_0(tiny):
     model, _ = tiny["llama-gqa"]
     p, q = rand_prompts([6, 9], seed=11)
