@@ -160,7 +160,7 @@ class KVCache:
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.offset, self.pk, self.pv, self.owner = 0, None, None, None
+        self.offset, self.pk, self.pv = 0, None, None
 
     def select(self, rows: torch.Tensor):
         """Keep (or repeat) batch rows: rows [B'] indexes the current batch. Used to share a prompt's
@@ -172,23 +172,24 @@ class KVCache:
         """A cache of len(owner) rows whose first columns are this (prefilled) cache's: row b reads its row
         owner[b], never copied. k, v are allocated for columns offset..max_len-1 only. For n samples of each
         prompt this stores and reads the prompts' keys and values once instead of n times."""
+        if not bool((owner[1:] >= owner[:-1]).all()):
+            raise ValueError("KVCache.share: owner must be sorted (the rows of one prompt together)")
         shared = KVCache.__new__(KVCache)
         L, _, H, W, D = self.k.shape
         shared.k = self.k.new_zeros(L, len(owner), H, max_len - W, D)
         shared.v = torch.zeros_like(shared.k)
-        shared.offset, shared.pk, shared.pv, shared.owner = W, self.k, self.v, owner
-        # each row's place in a [U, n] grid (n = most rows of one prompt): row b is (owner[b], slot[b]), so that the
-        # queries of one prompt's rows meet its keys in one batched matmul
-        if not bool((owner[1:] >= owner[:-1]).all()):
-            raise ValueError("KVCache.share: owner must be sorted (the rows of one prompt together)")
-        shared.slot = torch.arange(len(owner), device=owner.device) - torch.searchsorted(owner, owner)
-        shared.slots = int(shared.slot.max()) + 1 if len(owner) else 1
+        shared.offset, shared.pk, shared.pv = W, self.k, self.v
+        # each row's cell in a [U, slots] grid (slots = most rows of one prompt), row-major: owner * slots + its
+        # rank among its prompt's rows, so that the queries of one prompt's rows meet its keys in one matmul
+        rank = torch.arange(len(owner), device=owner.device) - torch.searchsorted(owner, owner)
+        shared.slots = int(rank.max()) + 1
+        shared.grid = owner * shared.slots + rank
         return shared
 
     def keep(self, perm: torch.Tensor):
         """The row bookkeeping of a shared cache after its batch rows were reordered / cut to perm [B']."""
-        if self.owner is not None:
-            self.owner, self.slot = self.owner[perm], self.slot[perm]
+        if self.pk is not None:
+            self.grid = self.grid[perm]
 
 
 class Attention(nn.Module):
@@ -235,36 +236,33 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-
     def _shared_prompt_attention(self, q, k, v, mask, cache, layer, start):
         """Attention over a cache with a shared prompt part (KVCache.share): softmax over [prompt columns, own
         columns] together, with the prompt's scores and outputs from one matmul per distinct prompt. q [B, H, T,
         hd], k, v [B, kv, T, hd] new; mask None or [B, 1, T, offset + start + T] bool. Returns [B, T, H * hd]."""
         B, H, T, hd = q.shape
         kv, W = self.cfg.num_kv_heads, cache.offset
-        g = H // kv
+        g, U, n = H // kv, cache.pk.shape[1], cache.slots
         at = start - W  # the row part holds columns W..
         cache.k[layer, :, :, at:at + T], cache.v[layer, :, :, at:at + T] = k, v
         k1, v1 = cache.k[layer, :, :, :at + T], cache.v[layer, :, :, :at + T]  # [B, kv, S1, hd]
+
+        def by_prompt(x):  # [B, kv, g T, c] -> [U, kv, n g T, c]: each prompt's rows side by side (empty cells 0)
+            x = x.new_zeros(U * n, *x.shape[1:]).index_copy_(0, cache.grid, x)
+            return x.view(U, n, kv, g * T, -1).transpose(1, 2).reshape(U, kv, n * g * T, -1)
+
+        def by_row(x):  # the inverse: [U, kv, n g T, c] -> [B, kv, g T, c]
+            return x.view(U, kv, n, g * T, -1).transpose(1, 2).reshape(U * n, kv, g * T, -1)[cache.grid]
+
         qg = q.reshape(B, kv, g * T, hd) * hd ** -0.5  # head h uses kv head h // g: its g x T queries in a row
-        # the prompt part: the rows of one prompt go to its slots in a [U, n] grid, and meet its keys there
-        U, n = cache.pk.shape[1], cache.slots
-        grid = cache.owner * n + cache.slot  # [B]
-        qs = qg.new_zeros(U * n, kv, g * T, hd).index_copy_(0, grid, qg)
-        qs = qs.view(U, n, kv, g * T, hd).transpose(1, 2).reshape(U, kv, n * g * T, hd)
-        s0 = qs @ cache.pk[layer].transpose(-1, -2)  # [U, kv, n g T, W]
-        s0 = s0.view(U, kv, n, g * T, W).transpose(1, 2).reshape(U * n, kv, g * T, W)[grid]  # [B, kv, g T, W]
+        s0 = by_row(by_prompt(qg) @ cache.pk[layer].transpose(-1, -2))  # [B, kv, g T, W]
         s1 = qg @ k1.transpose(-1, -2)  # [B, kv, g T, S1]
         scores = torch.cat((s0, s1), -1).float()
         if mask is not None:  # [B, 1, T, S] -> the same for each of the g query heads of a kv head
             m = mask.expand(B, g, T, mask.shape[-1]).reshape(B, 1, g * T, -1)
             scores = scores.masked_fill(~m, float("-inf"))  # (None only for T = 1: it sees every column)
         p = scores.softmax(-1).to(q.dtype)
-        p0, p1 = p[..., :W], p[..., W:]
-        ps = p0.new_zeros(U * n, kv, g * T, W).index_copy_(0, grid, p0)
-        ps = ps.view(U, n, kv, g * T, W).transpose(1, 2).reshape(U, kv, n * g * T, W)
-        y0 = (ps @ cache.pv[layer]).view(U, kv, n, g * T, hd).transpose(1, 2).reshape(U * n, kv, g * T, hd)[grid]
-        y = y0 + p1 @ v1  # [B, kv, g T, hd]
+        y = by_row(by_prompt(p[..., :W]) @ cache.pv[layer]) + p[..., W:] @ v1  # [B, kv, g T, hd]
         return y.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
 
 
