@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from common import sampler
-from common.model import ModelConfig, Transformer
+from common.model import KVCache, ModelConfig, Transformer
 from common.sampler import generate
 
 KINDS = ["llama-gqa", "llama-tied", "qwen2", "qwen3"]
@@ -68,6 +68,18 @@ def test_greedy_matches_transformers(tiny, kind):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert s.tokens == ref[0, len(p):].tolist()
         assert not s.finished and len(s.logprobs) == len(s.entropies) == 20
+
+
+def test_one_sample_per_prompt_decodes_in_the_prefilled_cache(tiny, monkeypatch):
+    """Evaluation's case (one sample per prompt, in order) must not copy the prefilled cache into a new one: the
+    copy held two whole caches at once (at 150 prompts, ~0.9 GB more peak memory for SmolLM2-135M)."""
+    model, _ = tiny["llama-gqa"]
+    copies, select = [], KVCache.select
+    monkeypatch.setattr(KVCache, "select", lambda self, rows: copies.append(len(rows)) or select(self, rows))
+    generate(model, rand_prompts([7, 3, 12], seed=1), n=1, max_new_tokens=8, temperature=0, stop_ids=())
+    assert copies == []
+    generate(model, rand_prompts([7, 3, 12], seed=1) * 2, n=1, max_new_tokens=8, temperature=0, stop_ids=())
+    assert copies == [6]  # a repeated prompt is prefilled once and its row repeated: that still copies
 
 
 def test_greedy_matches_transformers_smollm2():
