@@ -61,6 +61,7 @@ class Config:
     prompts_per_step: int = 8  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
     max_new_tokens: int = 96  # L_max: completion budget in tokens
+    eval_max_new_tokens: int = 0  # evaluations decode max(this, max_new_tokens) tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
@@ -129,6 +130,7 @@ def validate(cfg: Config):
                  "eval_every", "save_every", "train_size", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
+    check(cfg.eval_max_new_tokens >= 0, "eval_max_new_tokens", "a non-negative integer")
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
     check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
@@ -168,7 +170,7 @@ def check_context(model, tok, problems, cfg):
     """Prompt + completion must fit the model's positions; say so before anything is written."""
     longest = max(len(tok.prompt(format_question(p))) for p in problems)
     limit = model.cfg.max_position_embeddings
-    check(longest + cfg.max_new_tokens <= limit, "max_new_tokens",
+    check(longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens) <= limit, "max_new_tokens/eval_max_new_tokens",
           f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
 
 
@@ -596,7 +598,8 @@ def main(argv=None):
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
+                   max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0
     if start_step == 0:
         with autocast:
@@ -677,18 +680,20 @@ def main(argv=None):
         dist.sync_rollout(model, rollout)
         t_train = time.time()
 
-        # ---- 6. log, evaluate, save
+        # ---- 6. log, save, evaluate
         metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = scheduler.get_last_lr()[0]
         metrics.update(extra_metrics(extra_state, d, correct, hard, guided, stored, cfg))
         log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save(model, optimizer, ckpt_dir, step, cfg, extra={"extra_state": extra_state})
+        if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)
+            optimizer.state.clear()  # need not be held through the last evaluation
         if step % cfg.eval_every == 0 or step == cfg.steps:
             with autocast:
                 last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
             log.log(step, last)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            save(model, optimizer, ckpt_dir, step, cfg, extra={"extra_state": extra_state})
 
     if dist.is_main() and cfg.steps > start_step:
         before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "

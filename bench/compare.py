@@ -85,6 +85,7 @@ def shared_options(cfg: Config, seed: int) -> list[str]:
     return ["--seed", str(seed), "--steps", str(cfg.steps), "--model", cfg.model, "--task", cfg.task,
             "--train-size", str(cfg.train_size), "--prompts-per-step", str(cfg.prompts_per_step),
             "--group-size", str(cfg.group_size), "--max-new-tokens", str(cfg.max_new_tokens),
+            "--eval-max-new-tokens", str(cfg.max_new_tokens),
             "--temperature", str(cfg.temperature), "--device", cfg.device, "--dtype", cfg.dtype,
             "--eval-size", str(cfg.curve_size), "--eval-samples", "0", "--eval-every", str(cfg.curve_every),
             "--save-every", str(cfg.curve_every)]

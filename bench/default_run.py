@@ -155,7 +155,8 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
         sys.exit(f"bench/default_run.py: --held-out: {run / 'checkpoint'} holds no checkpoint to evaluate")
     cfg = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)["extra"]["config"]
     evals = [evaluate_model(Config(model=cfg["model"], task=cfg["task"], eval_size=size, eval_samples=0,
-                                   max_new_tokens=cfg["max_new_tokens"], device=cfg["device"], dtype=cfg["dtype"]),
+                                   max_new_tokens=max(cfg.get("eval_max_new_tokens", 0), cfg["max_new_tokens"]),
+                                   device=cfg["device"], dtype=cfg["dtype"]),
                             model, cfg["seed"])["eval/greedy_acc"] for model in (cfg["model"], ckpt)]
     print(f"| greedy accuracy on {size} held-out problems, start -> checkpoint | {evals[0]:.3f} -> {evals[1]:.3f} "
           f"({100 * (evals[1] - evals[0]):+.1f} points) |")

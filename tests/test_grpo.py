@@ -435,3 +435,22 @@ def test_evaluate_command_line(tmp_path, tiny_model_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     for key in ("greedy_acc", "maj@4", "pass@1", "pass@2", "pass@4"):
         assert key in r.stdout, r.stdout
+
+
+def test_evaluations_decode_the_eval_budget_after_the_checkpoint(tmp_path, digit_model_dir, monkeypatch):
+    """Evaluations decode max(--eval-max-new-tokens, --max-new-tokens) tokens, so a short training budget cannot
+    lower the measured accuracy; the last one runs after the final checkpoint is written (AdamW's state is then
+    dropped, so it is not held through that evaluation's KV cache)."""
+    monkeypatch.chdir(tmp_path)
+    real, seen = grpo.evaluate, []
+
+    def spy(*a, **k):
+        seen.append((k["max_new_tokens"], (tmp_path / "runs" / name / "checkpoint").exists()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(grpo, "evaluate", spy)
+    for name, extra, budget in (("e64", [], 64), ("e0", ["--eval-max-new-tokens", "0"], 1),
+                                ("e3", ["--max-new-tokens", "3", "--eval-max-new-tokens", "2"], 3)):
+        seen.clear()
+        grpo.main([*digit_run(digit_model_dir, tmp_path), "--steps", "1", "--run-name", name, *extra])
+        assert seen == [(budget, False), (budget, True)], (name, seen)
