@@ -57,12 +57,12 @@ class Config:
     # rollouts
     steps: int = 15  # training steps
     # The CPU defaults below (16 x 8 rollouts, 48 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
-    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and
-    # the next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
-    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps
-    # the budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the
-    # 300 held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96),
-    # not the trained model's (its answers are short): read a gain with the budget it was measured at.
+    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and the
+    # next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
+    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps the
+    # budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the 300
+    # held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96), not the
+    # trained model's (its answers are short): read a gain with the budget it was measured at.
     prompts_per_step: int = 16  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
     max_new_tokens: int = 48  # L_max: completion budget in tokens
@@ -113,8 +113,8 @@ def validate(cfg: Config):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
                  "eval_every", "save_every", "train_size", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.eval_max_new_tokens >= 0, "eval_max_new_tokens", "a non-negative integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
     check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")

@@ -127,8 +127,8 @@ def validate(cfg: Config):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
                  "eval_every", "save_every", "train_size", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.eval_max_new_tokens >= 0, "eval_max_new_tokens", "a non-negative integer")
+    # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
     check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
