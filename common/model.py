@@ -164,7 +164,10 @@ class KVCache:
 
     def select(self, rows: torch.Tensor):
         """Keep (or repeat) batch rows: rows [B'] indexes the current batch. Used to share a prompt's
-        prefill among its samples and to drop finished rows."""
+        prefill among its samples and to drop finished rows. Rows 0..B-1 in order keep the cache as it is: a copy
+        would hold two whole caches at once (evaluation's one sample per prompt)."""
+        if len(rows) == self.k.shape[1] and bool((rows == torch.arange(len(rows), device=rows.device)).all()):
+            return self
         self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
         return self
 

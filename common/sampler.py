@@ -129,11 +129,7 @@ def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False):
     share = not plain and S > U and W > 0 and bool((sel[1:] >= sel[:-1]).all())
     cache = model.new_cache(U, W if share else max_len)
     prefill(model, ids, pmask, cache, shared)
-    if share:
-        return cache.share(sel, max_len)
-    if S == U and bool((sel == torch.arange(U, device=sel.device)).all()):
-        return cache  # one sample per prompt, in order (evaluation): select would copy the whole cache
-    return cache.select(sel)
+    return cache.share(sel, max_len) if share else cache.select(sel)
 
 
 def decode_step(model, tok, pos, cache, col, mask):
