@@ -33,6 +33,19 @@ def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
     assert f"| greedy accuracy on 3 held-out problems, start -> checkpoint | {accs[0]:.3f} -> {accs[-1]:.3f}" in held
 
 
+def test_bench_grpo_is_default_run_for_grpo(tmp_path, tiny_model_dir):
+    """bench/grpo.py: grpo.py's runs, seeds 0 1 2 unless --seeds is given; other algorithms are refused."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "grpo.py"), "--seeds", "3", "--", "--model",
+                        str(tiny_model_dir), *TINY], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [p.name.split("-")[1:3] for p in (tmp_path / "runs").glob("bench-*[0-9]")] == [["grpo", "s3"]]
+    assert "| greedy accuracy, step 0 -> step 1 |" in r.stdout
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "grpo.py"), "--algo", "xrpo"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--algo" in r.stderr, r.stderr
+
+
 def test_bad_algo_and_missing_run_are_one_line_errors(tmp_path):
     for args, field in ((["--algo", "ppo"], "--algo"), (["--run", str(tmp_path / "nope")], "--run")):
         r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
