@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+
+from common.config import RunError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -23,19 +26,28 @@ def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt_dir.parent, prefix=ckpt_dir.name + ".tmp-"))
-    model.save_pretrained(tmp, state_dict=weights)
-    if model_source is not None:  # so that the folder is a complete model for `--model`
-        for name in TOKENIZER_FILES:
-            if (Path(model_source) / name).is_file():
-                shutil.copy(Path(model_source) / name, tmp / name)
-    torch.save({"step": step, "optimizer": optimizer_state, "rng": rng_state(), "extra": extra or {}},
-               tmp / "trainer.pt")
+    try:
+        model.save_pretrained(tmp, state_dict=weights)
+        if model_source is not None:  # so that the folder is a complete model for `--model`
+            for name in TOKENIZER_FILES:
+                if (Path(model_source) / name).is_file():
+                    shutil.copy(Path(model_source) / name, tmp / name)
+        torch.save({"step": step, "optimizer": optimizer_state, "rng": rng_state(), "extra": extra or {}},
+                   tmp / "trainer.pt")
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a lost mount: say so in one line, leave no partial folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"the checkpoint of an earlier step in {ckpt_dir} is kept" if find(ckpt_dir) else "no checkpoint was kept"
+        raise RunError(f"writing the checkpoint of step {step} to {ckpt_dir} failed ({_reason(e)}); {kept}") from e
     old = ckpt_dir.with_name(ckpt_dir.name + ".old")
     if ckpt_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
         ckpt_dir.rename(old)
     tmp.rename(ckpt_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _reason(e: Exception) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[-1][:200]
 
 
 def find(ckpt_dir) -> Path | None:

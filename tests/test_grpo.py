@@ -406,6 +406,28 @@ def test_diverged_run_stops_and_keeps_the_checkpoint(tmp_path, digit_model_dir, 
     assert (ckpt / "model.safetensors").read_bytes() == good  # the skipped steps changed no weight
 
 
+def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_last_one(tmp_path, digit_model_dir, monkeypatch):
+    """A full disk while writing step 2's checkpoint: a RunError naming the folder and the cause (main_guard prints it
+    as one line), no partial folder left behind, step 1's checkpoint whole, and the run resumes from it."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*digit_run(digit_model_dir, tmp_path), "--run-name", "full", "--save-every", "1"]
+    grpo.main([*argv, "--steps", "1"])
+    run = tmp_path / "runs" / "full"
+
+    def disk_full(self, path, state_dict=None):
+        (Path(path) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(Transformer, "save_pretrained", disk_full)
+        with pytest.raises(RunError, match=r"step 2 .*No space left on device.*earlier step .* is kept"):
+            grpo.main([*argv, "--steps", "2", "--resume"])
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint"]
+    assert torch.load(run / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 1
+    grpo.main([*argv, "--steps", "2", "--resume"])
+    assert torch.load(run / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
+
+
 def test_resume_after_a_torn_metrics_line_and_refuses_other_data(tmp_path, digit_model_dir):
     argv = [*digit_run(digit_model_dir, tmp_path), "--run-name", "torn"]
     run_grpo(tmp_path, *argv, "--steps", "1")
