@@ -574,7 +574,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
             # the aggregation's totals over the whole mini-batch, summed over ranks
             n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
                                                                  float(n_train[idx].sum())])).tolist()
-            optimizer.zero_grad(set_to_none=True)
+            dist.zero_grad(optimizer, model)
             trained = [i for i in idx if active[i]]
             micro = [trained[i:i + cfg.micro_batch] for i in range(0, len(trained), cfg.micro_batch)]
             for j, mb in enumerate(micro):
@@ -625,10 +625,10 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
     grad_norm = float(dist.local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
     stats["last_grad_norm"] = grad_norm
     if not math.isfinite(grad_norm) or (cfg.skip_grad_norm > 0 and grad_norm > cfg.skip_grad_norm):
-        optimizer.zero_grad(set_to_none=True)
+        dist.zero_grad(optimizer, model)
         return True
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)  # free the gradients now: sampling and evaluation need the memory
+    dist.zero_grad(optimizer, model)  # free the gradients now (one process, FSDP): sampling and evaluation need the memory
     stats["grad_norm"] += grad_norm
     stats["grad_norm_max"] = max(stats["grad_norm_max"], grad_norm)
     stats["opt_steps"] += 1

@@ -103,7 +103,16 @@ def wrap(model, fsdp: bool = False):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
-    return torch.nn.parallel.DistributedDataParallel(model)
+    # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets instead of a second copy of them
+    return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+
+
+def zero_grad(optimizer, model):
+    """optimizer.zero_grad(), freeing the gradients' memory where that frees any. Under DDP the gradients are
+    views of its buckets, which live as long as the model: dropping the views frees nothing, and the next
+    backward outside DDP's sync (the first micro-batches of gradient accumulation) would allocate a whole second
+    set of gradients (0.5 GB for 135M parameters), so there they are zeroed in place instead."""
+    optimizer.zero_grad(set_to_none=not (is_distributed() and not is_sharded(model)))
 
 
 def is_sharded(model) -> bool:

@@ -148,8 +148,9 @@ def fixed_generate(model, prompts, n=1, max_new_tokens=8, **kw):
 
 def grpo_ranks(rank, world, port, ports, argv, out_dir):
     """grpo.main(argv) with fixed rollouts and rewards: on rank 0 first as one plain process, then on both
-    ranks under DDP and under FSDP2. Rank 0 saves, per run, the gradients the optimizer's first step
-    receives (after all micro-batches and the all-reduce), in the optimizer's parameter order."""
+    ranks under DDP and under FSDP2. Rank 0 saves, per run, the gradients each optimizer step receives (after all
+    micro-batches and the all-reduce), in the optimizer's parameter order. Two steps: the second shows that the
+    first one's gradients were cleared (under DDP they are zeroed in place, see dist.zero_grad)."""
     torch.set_num_threads(1)
     os.chdir(out_dir)
     import common.sampler
@@ -165,8 +166,7 @@ def grpo_ranks(rank, world, port, ports, argv, out_dir):
     grads = {}
 
     def record(optimizer, args, kwargs):
-        if not grads[run]:
-            grads[run] = [dist.local(p.grad).clone() for group in optimizer.param_groups for p in group["params"]]
+        grads[run].append([dist.local(p.grad).clone() for group in optimizer.param_groups for p in group["params"]])
 
     register_optimizer_step_pre_hook(record)
     import grpo
@@ -186,7 +186,7 @@ def grpo_ranks(rank, world, port, ports, argv, out_dir):
 def grpo_results(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("grpo")
     # no clipping: a clipped gradient has norm 1 whatever its scale, which would hide a wrong normalisation
-    argv = ["--model", str(tiny_model_dir), "--steps", "1", "--prompts-per-step", "4", "--group-size", "3",
+    argv = ["--model", str(tiny_model_dir), "--steps", "2", "--prompts-per-step", "4", "--group-size", "3",
             "--micro-batch", "2", "--eval-size", "2", "--dtype", "float32", "--train-size", "40",
             "--max-grad-norm", "1e9", "--device", "cpu"]  # gloo on CPU, also where a GPU is visible
     ports = {"ddp": free_port(), "fsdp2": free_port()}
@@ -197,11 +197,12 @@ def grpo_results(tmp_path_factory, tiny_model_dir):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_grpo_two_processes_equal_one(grpo_results, mode):
     tmp, grads = grpo_results
-    one, two = grads["one"], grads[mode]
-    assert one and len(two) == len(one) and all(g.abs().max() > 0 for g in one)
-    assert_grads_close(dict(enumerate(two)), dict(enumerate(one)))
+    assert len(grads["one"]) == len(grads[mode]) == 2  # one optimizer step per training step
+    for one, two in zip(grads["one"], grads[mode]):
+        assert one and len(two) == len(one) and all(g.abs().max() > 0 for g in one)
+        assert_grads_close(dict(enumerate(two)), dict(enumerate(one)))
     rows = [json.loads(line) for line in (tmp / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1]  # one step, logged once (by rank 0)
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]  # each step logged once (by rank 0)
     assert (tmp / "runs" / mode / "checkpoint" / "model.safetensors").is_file()
 
 
