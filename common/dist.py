@@ -112,7 +112,7 @@ def zero_grad(optimizer, model):
     views of its buckets, which live as long as the model: dropping the views frees nothing, and the next
     backward outside DDP's sync (the first micro-batches of gradient accumulation) would allocate a whole second
     set of gradients (0.5 GB for 135M parameters), so there they are zeroed in place instead."""
-    optimizer.zero_grad(set_to_none=not (is_distributed() and not is_sharded(model)))
+    optimizer.zero_grad(set_to_none=not is_distributed() or is_sharded(model))
 
 
 def is_sharded(model) -> bool:
