@@ -89,8 +89,11 @@ def logprobs_entropy(logits, targets, temperature=1.0):
 # --- the same from hidden states, one chunk of logits at a time --------------------------------
 
 # The chunk's logits are ours (just computed from hidden @ weight.T), so they may be overwritten: the
-# Triton backward writes d logits over them, and the PyTorch versions work on them in place, which
-# keeps their temporaries to about two chunks.
+# Triton backward writes d logits over them, and the PyTorch versions work on them in place, ROW_BLOCK
+# rows at a time, so that their other temporary (p = exp(log p)) is a block of rows, not a second chunk:
+# on a CPU the trainer's peak memory is this backward, on top of the earlier micro-batches' gradients.
+ROW_BLOCK = 32
+
 
 def _chunk_fwd(logits, targets, temperature):
     """(logp, entropy, xmax, logz) of one chunk of logits [c, V]; the kernel's math in PyTorch off-GPU."""
@@ -98,25 +101,31 @@ def _chunk_fwd(logits, targets, temperature):
         return triton_kernels.logprobs_entropy_fwd(logits, targets, temperature)
     logp_all = logits.float()  # the same tensor when the logits are fp32
     xmax = logp_all.amax(-1)
-    logz = torch.logsumexp(logp_all.sub_(xmax[:, None]).div_(temperature), -1)
-    logp_all -= logz[:, None]
-    p = logp_all.exp()
-    entropy = torch.special.entr(p, out=p).sum(-1)
+    logz = torch.empty_like(xmax)
+    entropy = torch.empty_like(xmax)
+    for rows in _chunks(len(targets), ROW_BLOCK):
+        logp = logp_all[rows].sub_(xmax[rows, None]).div_(temperature)
+        logz[rows] = torch.logsumexp(logp, -1)
+        logp -= logz[rows, None]
+        p = logp.exp()
+        entropy[rows] = torch.special.entr(p, out=p).sum(-1)
     return logp_all.gather(1, targets[:, None])[:, 0], entropy, xmax, logz
 
 
 def _chunk_bwd(logits, targets, grad_logp, grad_entropy, xmax, logz, entropy, temperature):
-    """d logits of one chunk, in the logits' dtype."""
+    """d logits of one chunk, in the logits' dtype (over the logits themselves when they are fp32)."""
     if use_triton(logits):
         return triton_kernels.logprobs_entropy_bwd(logits, targets, grad_logp, grad_entropy,
                                                    xmax, logz, entropy, temperature, out=logits)
-    logp_all = logits.float().sub_(xmax[:, None]).div_(temperature).sub_(logz[:, None])
-    p = logp_all.exp()
-    # dz = -p (g_logp + g_entropy (log p + H)) + g_logp 1[j = t], as in the kernel
-    dz = logp_all.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).mul_(p)
-    dz.masked_fill_(p == 0, 0.0).neg_()  # p = 0 with log p = -inf would give nan
-    dz[torch.arange(len(targets), device=dz.device), targets] += grad_logp
-    return dz.div_(temperature).to(logits.dtype)
+    dz_all = logits.float()
+    for rows in _chunks(len(targets), ROW_BLOCK):
+        logp = dz_all[rows].sub_(xmax[rows, None]).div_(temperature).sub_(logz[rows, None])
+        p = logp.exp()
+        # dz = -p (g_logp + g_entropy (log p + H)) + g_logp 1[j = t], as in the kernel
+        dz = logp.add_(entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(grad_logp[rows, None]).mul_(p)
+        dz.masked_fill_(p == 0, 0.0).neg_()  # p = 0 with log p = -inf would give nan
+    dz_all[torch.arange(len(targets), device=dz_all.device), targets] += grad_logp
+    return dz_all.div_(temperature).to(logits.dtype)
 
 
 def _autocast_dtype(hidden, weight):
@@ -150,8 +159,7 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         weight_c = weight.to(ctx.dtype)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # fp32 accumulator: summing per-chunk bf16 products in bf16 would lose the small ones
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
+        grad_weight = None  # made from the first chunk's product, once that chunk's temporaries are gone
         with torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(hidden.shape[0], ctx.chunk_size):
                 h = hidden[rows].to(ctx.dtype)
@@ -159,9 +167,14 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
                                      xmax[rows], logz[rows], entropy[rows], ctx.temperature)
                 if need_hidden:
                     grad_hidden[rows] = dlogits @ weight_c
-                if need_weight and dlogits.dtype == torch.float32:
+                if not need_weight:
+                    continue
+                if grad_weight is None:
+                    # fp32 accumulator: summing per-chunk bf16 products in bf16 would lose the small ones
+                    grad_weight = (dlogits.T @ h).float()
+                elif dlogits.dtype == torch.float32:
                     grad_weight.addmm_(dlogits.T, h)
-                elif need_weight:
+                else:
                     grad_weight += dlogits.T @ h
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         return grad_hidden, grad_weight, None, None, None, None

@@ -209,7 +209,9 @@ def f64_linear_run(hidden, weight, targets, temperature, grad_logp, grad_entropy
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
-def test_chunked_cpu_path_matches_float64(monkeypatch, temperature):
+@pytest.mark.parametrize("row_block", [2, 32])  # 2: a chunk's elementwise math in blocks, a short last one
+def test_chunked_cpu_path_matches_float64(monkeypatch, temperature, row_block):
+    monkeypatch.setattr(ops, "ROW_BLOCK", row_block)
     hidden, weight, targets = hidden_weight(13, 32, 1000, torch.float32, seed=4, device="cpu")
     hidden[0] *= 30  # one row of logits ~ +-300: the max shift must keep it exact
     grad_logp, grad_entropy = torch.randn(2, 13)
