@@ -112,7 +112,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     for part in ("sample", "score", "train"):
         share = mean(f"perf/{part}_s") / mean("perf/step_s")
         print(f"| {part} (mean per step) | {mean(f'perf/{part}_s'):.1f} s ({share:.0%}) |")
-    print(f"| peak RSS | {out['peak_rss_gb']:.2f} GB |")
+    print(f"| peak RSS | {out['peak_rss_gb']:.2f} GB of 2^30 bytes ({out['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 bytes) |")
     by_step = ", ".join(f"{steps[i].get('perf/peak_rss_gb', 0):.2f}" for i in (0, len(steps) // 2, -1))
     print(f"| peak RSS so far at the first, middle and last step | {by_step} GB |")
     print(f"| sampled tokens (all steps) | {total('perf/sampled_tokens'):.0f}"

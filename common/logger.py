@@ -81,7 +81,7 @@ _libc = None
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB (Linux and macOS; 0 elsewhere)."""
+    """This process's peak resident memory so far, in GB of 2^30 bytes (Linux and macOS; 0 elsewhere)."""
     try:
         import resource
     except ImportError:
