@@ -176,6 +176,8 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
                     grad_weight.addmm_(dlogits.T, h)
                 else:
                     grad_weight += dlogits.T @ h
+        if need_weight and grad_weight is None:  # no rows at all
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         return grad_hidden, grad_weight, None, None, None, None
 

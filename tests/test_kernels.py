@@ -167,6 +167,17 @@ def test_linear_path_frozen_head_strided_hidden_and_chunks(backend, monkeypatch)
     assert rel_err(hidden.grad, hidden64.grad) <= 1e-5
 
 
+def test_linear_path_with_no_rows(backend):
+    # a micro-batch may hold no loss token: zero gradients of the right shapes, not an error
+    hidden, weight, targets = hidden_weight(3, 16, 50, torch.float32, seed=6)
+    hidden, targets = hidden[:0].detach().requires_grad_(True), targets[:0]
+    weight.requires_grad_(True)
+    logp, entropy = backend.linear_logprobs_entropy(hidden, weight, targets, chunk_size=4)
+    (logp.sum() + entropy.sum()).backward()
+    assert logp.shape == (0,) and hidden.grad.shape == (0, 16)
+    assert weight.grad.shape == weight.shape and not weight.grad.any()
+
+
 def test_linear_path_under_autocast(backend):
     # fp32 master weights, the matmul in bf16 as autocast would run it; gradients come back fp32
     hidden, weight, targets = hidden_weight(9, 32, 1000, torch.float32, seed=3)
