@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from common.logger import release_free_memory
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # sdpa(enable_gqa=) exists
 
@@ -294,6 +296,15 @@ class Block(nn.Module):
 
 # ---------------------------------------------------------------------------------------- transformer
 
+def _release_before_embedding_backward(grad):
+    """A hook on the embeddings' output: it runs when their gradient is ready, just before the embedding's own
+    backward. With tied embeddings that backward is a CPU trainer's peak (all the gradients, the LM head's gradient
+    of the tied weight, which autograd holds until this one arrives, and this one, 0.1 GB each for SmolLM2), and
+    the pages the layers' backward freed are still resident in glibc's heap: they go back to the OS first."""
+    release_free_memory()
+
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -353,6 +364,8 @@ class Transformer(nn.Module):
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
         x = self.embed_tokens(input_ids)
+        if x.requires_grad:
+            x.register_hook(_release_before_embedding_backward)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and cache is None:
