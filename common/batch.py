@@ -114,9 +114,11 @@ def completion_logprobs(model, b: Batch, idx, temperature, pad_id, device, loss_
     """log π and entropy (of softmax(logits / temperature)) of the tokens of completions idx that get a loss (all
     their tokens with loss_only=False), flat and completion after completion, with their positions `tok` in b's
     flat [n_tok] arrays. The LM head and log-softmax are fused: the [tokens, vocab] logits are never held whole."""
-    # the freed pages of the last micro-batch's temporaries (glibc keeps them in its heap, among live memory) go
-    # back to the OS before this forward, and this forward's before the backward (see release_free_memory)
-    release_free_memory()
+    # on a CPU, the freed pages of the last micro-batch's temporaries (glibc keeps them in its heap, among live
+    # memory) go back to the OS before this forward, and this forward's before the backward (release_free_memory)
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
+        release_free_memory()
     skip = b.skip[idx].tolist() if loss_only else [0] * len(idx)
     ids, targets, target_mask, pos, mask, owner = pack_inputs([b.context[i] for i in idx], [b.tokens[i] for i in idx],
                                                               skip, pad_id)
@@ -127,7 +129,8 @@ def completion_logprobs(model, b: Batch, idx, temperature, pad_id, device, loss_
     tok = token_index(b.lengths, idx)
     if loss_only:
         tok = tok[b.train_mask()[tok]]
-    release_free_memory()
+    if on_cpu:
+        release_free_memory()
     return logp[order], entropy[order], tok
 
 

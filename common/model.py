@@ -304,7 +304,6 @@ def _release_before_embedding_backward(grad):
     release_free_memory()
 
 
-
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -364,7 +363,7 @@ class Transformer(nn.Module):
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
         x = self.embed_tokens(input_ids)
-        if x.requires_grad:
+        if x.requires_grad and x.device.type == "cpu":
             x.register_hook(_release_before_embedding_backward)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
