@@ -2,6 +2,7 @@
 
     logprobs_entropy(logits, targets, temperature=1.0) -> (logp, entropy)
     linear_logprobs_entropy(hidden, weight, targets, temperature=1.0) -> (logp, entropy)
+    lm_head_logits(hidden, weight) -> hidden @ weight.T, in vocabulary blocks on a CPU (no autograd)
     policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None,
                 dual_clip=None, ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0,
                 shaped=None, shaped_beta=0.1, seq_ids=None, sampler_logp=None, tis_cap=None)
@@ -16,6 +17,6 @@ FORCE_TRITON=1 sends CPU tensors through Triton as well, for TRITON_INTERPRET=1 
 Without triton installed everything runs the references.
 """
 from kernels import reference
-from kernels.ops import linear_logprobs_entropy, logprobs_entropy, policy_loss
+from kernels.ops import linear_logprobs_entropy, lm_head_logits, logprobs_entropy, policy_loss
 
-__all__ = ["logprobs_entropy", "linear_logprobs_entropy", "policy_loss", "reference"]
+__all__ = ["logprobs_entropy", "linear_logprobs_entropy", "lm_head_logits", "policy_loss", "reference"]

@@ -128,6 +128,27 @@ def _chunk_bwd(logits, targets, grad_logp, grad_entropy, xmax, logz, entropy, te
     return dz_all.div_(temperature).to(logits.dtype)
 
 
+# On a CPU, hidden @ weight.T for a whole vocabulary writes a [rows, V] result far larger than the caches, and
+# MKL's sgemm then runs 20-30% below its rate on the model's other matmuls (SmolLM2's [128 x 576] @ [576 x 49152],
+# a decode step's LM head: 66 -> 53 ms; a training chunk's [340 x 576] one: 160 -> 122 ms, 2-core AVX2 EPYC).
+# Column blocks of the output, each a matmul of its own written in place, keep the working set small.
+VOCAB_BLOCK = 2048
+
+
+def lm_head_logits(hidden, weight):
+    """hidden [N, d] @ weight.T -> logits [N, V] (weight [V, d]), on a CPU in fp32 VOCAB_BLOCK vocabulary
+    columns at a time into one output. That path writes with out= and has no autograd: it serves inference
+    and the fused LM-head path's own forward and backward. Other devices and dtypes, and under autocast (which
+    does not touch out= calls): the plain matmul."""
+    if (hidden.device.type != "cpu" or hidden.dtype != torch.float32 or weight.dtype != torch.float32
+            or torch.is_autocast_enabled("cpu")):
+        return hidden @ weight.T
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    for cols in _chunks(weight.shape[0], VOCAB_BLOCK):
+        torch.mm(hidden, weight[cols].T, out=logits[:, cols])
+    return logits
+
+
 def _autocast_dtype(hidden, weight):
     """The dtype autocast would run the LM-head matmul in, or the inputs' common dtype."""
     device_type = hidden.device.type
@@ -144,7 +165,7 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         logp, entropy, xmax, logz = torch.empty(4, N, device=hidden.device, dtype=torch.float32)
         with torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(N, chunk_size):
-                logits = hidden[rows].to(dtype) @ weight_c.T  # [c, V]: the only big tensor alive
+                logits = lm_head_logits(hidden[rows].to(dtype), weight_c)  # [c, V]: the only big tensor alive
                 outs = _chunk_fwd(logits, targets[rows], temperature)
                 for buffer, out in zip((logp, entropy, xmax, logz), outs):
                     buffer[rows] = out
@@ -163,7 +184,7 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(hidden.shape[0], ctx.chunk_size):
                 h = hidden[rows].to(ctx.dtype)
-                dlogits = _chunk_bwd(h @ weight_c.T, targets[rows], grad_logp[rows], grad_entropy[rows],
+                dlogits = _chunk_bwd(lm_head_logits(h, weight_c), targets[rows], grad_logp[rows], grad_entropy[rows],
                                      xmax[rows], logz[rows], entropy[rows], ctx.temperature)
                 if need_hidden:
                     grad_hidden[rows] = dlogits @ weight_c

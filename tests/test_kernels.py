@@ -221,8 +221,10 @@ def f64_linear_run(hidden, weight, targets, temperature, grad_logp, grad_entropy
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 @pytest.mark.parametrize("row_block", [2, 32])  # 2: a chunk's elementwise math in blocks, a short last one
-def test_chunked_cpu_path_matches_float64(monkeypatch, temperature, row_block):
+@pytest.mark.parametrize("vocab_block", [300, 2048])  # 300: the logits in vocabulary blocks, a short last one
+def test_chunked_cpu_path_matches_float64(monkeypatch, temperature, row_block, vocab_block):
     monkeypatch.setattr(ops, "ROW_BLOCK", row_block)
+    monkeypatch.setattr(ops, "VOCAB_BLOCK", vocab_block)
     hidden, weight, targets = hidden_weight(13, 32, 1000, torch.float32, seed=4, device="cpu")
     hidden[0] *= 30  # one row of logits ~ +-300: the max shift must keep it exact
     grad_logp, grad_entropy = torch.randn(2, 13)
@@ -232,6 +234,16 @@ def test_chunked_cpu_path_matches_float64(monkeypatch, temperature, row_block):
     for name, out, ref in zip(["logp", "entropy", "d hidden", "d weight"], ours, exact):
         assert out.dtype == torch.float32
         assert rel_err(out, ref) <= 1e-5, name
+
+
+def test_lm_head_logits_vocabulary_blocks_match_float64(monkeypatch):
+    """The CPU path writes each block of columns in place; every column must be written, once, by its own rows."""
+    monkeypatch.setattr(ops, "VOCAB_BLOCK", 300)
+    hidden, weight, _ = hidden_weight(9, 32, 1000, torch.float32, seed=6, device="cpu")
+    ours = kernels.lm_head_logits(hidden, weight)
+    assert ours.shape == (9, 1000) and ours.dtype == torch.float32
+    assert rel_err(ours, hidden.double() @ weight.double().T) <= 1e-6
+    assert kernels.lm_head_logits(hidden[:0], weight).shape == (0, 1000)
 
 
 def test_chunked_cpu_path_under_bf16_autocast_within_rounding_bound(monkeypatch):
