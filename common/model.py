@@ -176,9 +176,8 @@ class KVCache:
     def share(self, owner: torch.Tensor, max_len: int) -> "KVCache":
         """A cache of len(owner) rows whose first columns are this (prefilled) cache's: row b reads its row
         owner[b], never copied. k, v are allocated for columns offset..max_len-1 only. For n samples of each
-        prompt this stores and reads the prompts' keys and values once instead of n times."""
-        if not bool((owner[1:] >= owner[:-1]).all()):
-            raise ValueError("KVCache.share: owner must be sorted (the rows of one prompt together)")
+        prompt this stores and reads the prompts' keys and values once instead of n times. The rows of one
+        prompt need not be adjacent (a prompt drawn twice into one batch; drop_rows reorders rows anyway)."""
         shared = KVCache.__new__(KVCache)
         L, _, H, W, D = self.k.shape
         shared.k = self.k.new_zeros(L, len(owner), H, max_len - W, D)
@@ -186,7 +185,10 @@ class KVCache:
         shared.offset, shared.pk, shared.pv = W, self.k, self.v
         # each row's cell in a [U, slots] grid (slots = most rows of one prompt), row-major: owner * slots + its
         # rank among its prompt's rows, so that the queries of one prompt's rows meet its keys in one matmul
-        rank = torch.arange(len(owner), device=owner.device) - torch.searchsorted(owner, owner)
+        order = torch.argsort(owner, stable=True)
+        grouped = owner[order]  # the rows of each prompt together: rank = position - the prompt's first position
+        rank = torch.empty_like(owner)
+        rank[order] = torch.arange(len(owner), device=owner.device) - torch.searchsorted(grouped, grouped)
         shared.slots = int(rank.max()) + 1
         shared.grid = owner * shared.slots + rank
         return shared

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from common import sampler
-from common.model import ModelConfig, Transformer
+from common.model import KVCache, ModelConfig, Transformer
 from common.sampler import generate
 
 KINDS = ["llama-gqa", "llama-tied", "qwen2", "qwen3"]
@@ -81,7 +81,7 @@ def test_one_sample_per_prompt_decodes_in_the_prefilled_cache(tiny, monkeypatch)
     generate(model, rand_prompts([7, 3, 12], seed=1), n=1, max_new_tokens=8, temperature=0, stop_ids=())
     assert 5 not in copies  # no cache tensor [layers, rows, kv_heads, columns, head_dim] was copied
     generate(model, rand_prompts([7, 3, 12], seed=1) * 2, n=1, max_new_tokens=8, temperature=0, stop_ids=())
-    assert 5 in copies  # a repeated prompt is prefilled once and its row repeated: that copies
+    assert 5 not in copies  # a repeated prompt is prefilled once and its two rows read it (KVCache.share): no copy
 
 
 def test_greedy_matches_transformers_smollm2():
@@ -132,13 +132,14 @@ def test_prompts_with_a_shared_start(tiny):
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
-def test_shared_prompt_cache_equals_repeated_rows(tiny, kind):
+@pytest.mark.parametrize("owner", [[0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 2, 0, 1, 2]])  # 2nd: a prompt's rows apart
+def test_shared_prompt_cache_equals_repeated_rows(tiny, kind, owner):
     """KVCache.share (each prompt's keys and values stored once, read by all its rows) computes what the plain
     cache with the prompt repeated per row does: left-padded prompts, a padded 3-token segment per row, then
     decode steps with finished rows dropped (rows reordered) in between. Its rows hold only the new columns."""
     model, _ = tiny[kind]
     prompts = rand_prompts([7, 3, 5], seed=21)
-    owner = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    owner = torch.tensor(owner)
     W, T, steps = 7, 3, 4
     ids, pmask = sampler._left_pad(prompts, W, "cpu")
     seg, smask = sampler._left_pad(rand_prompts([3, 2, 3, 1, 3, 3, 2], seed=22), T, "cpu")
@@ -165,10 +166,18 @@ def test_shared_prompt_cache_equals_repeated_rows(tiny, kind):
         assert torch.equal(torch.div(shared.grid, shared.slots, rounding_mode="floor"), owner[rows])
 
 
-def test_duplicate_prompts_and_max_new_tokens_0(tiny):
+def test_duplicate_prompts_and_max_new_tokens_0(tiny, monkeypatch):
     model, _ = tiny["llama-gqa"]
     p, q = rand_prompts([6, 9], seed=11)
+    shared, real_share = [], KVCache.share  # a prompt drawn twice (its samples apart) still shares its cache
+
+    def spy(self, owner, max_len):
+        shared.append(owner.tolist())
+        return real_share(self, owner, max_len)
+
+    monkeypatch.setattr(KVCache, "share", spy)
     groups = generate(model, [p, q, p], n=[1, 1, 2], max_new_tokens=10, temperature=0, stop_ids=())
+    assert shared == [[0, 1, 0, 0]]
     alone = generate(model, [p], max_new_tokens=10, temperature=0, stop_ids=())[0][0].tokens
     assert groups[0][0].tokens == groups[2][0].tokens == groups[2][1].tokens == alone
     # nothing generated: only the prefix, scored
