@@ -3,6 +3,7 @@
     python bench/kernels.py                      # CPU: LM-head log-probs + entropy, fwd + bwd, peak RSS
     python bench/kernels.py --variant naive      # one CPU variant alone (what the line above runs 3 times)
     python bench/kernels.py --gpu                # GPU tables (needs CUDA): kernel time, bandwidth, memory
+    python bench/kernels.py --lm-head-blocks     # CPU: the LM head's logits in vocabulary blocks vs one matmul
 
 CPU: N = 4096 tokens, d = 576, V = 49,152 (SmolLM2's head), fp32. Each variant runs in its own
 process and reports its peak RSS (getrusage); a baseline process that only allocates the inputs is
@@ -150,17 +151,43 @@ def gpu_tables(n=8192, vocab=151_936, d=896, device="cuda"):
         print(f"{name:<16}{ms:>9.2f}{peak:>10.0f}")
 
 
+def lm_head_blocks_table(d, vocab, repeat=5):
+    """kernels.lm_head_logits (vocabulary blocks) against one matmul, fp32 CPU, at decode (16-150 rows) and
+    training-chunk (340 rows) shapes; the two alternate, the fastest of `repeat` timings (4 calls each) is reported."""
+    from kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, d, generator=g) / d ** 0.5
+    print(f"CPU, hidden [rows, {d}] @ weight [{vocab}, {d}].T, fp32, {torch.get_num_threads()} threads, "
+          f"blocks of {ops.VOCAB_BLOCK} columns")
+    print(f"{'rows':>6}{'one matmul ms':>15}{'blocks ms':>11}{'ratio':>8}")
+    for rows in (16, 64, 128, 150, 340):
+        hidden = torch.randn(rows, d, generator=g)
+        best = {"one": float("inf"), "blocks": float("inf")}
+        for _ in range(repeat):
+            for name, fn in (("one", lambda: hidden @ weight.T), ("blocks", lambda: kernels.lm_head_logits(hidden, weight))):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - t0) / 4)
+        print(f"{rows:>6}{best['one'] * 1e3:>15.1f}{best['blocks'] * 1e3:>11.1f}{best['one'] / best['blocks']:>8.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=["baseline", "naive", "ours"], help="run one CPU variant and exit")
     parser.add_argument("--gpu", action="store_true", help="the GPU tables instead of the CPU one")
+    parser.add_argument("--lm-head-blocks", action="store_true", help="only the CPU table of kernels.lm_head_logits")
     parser.add_argument("-n", type=int, default=4096, help="tokens")
     parser.add_argument("-d", type=int, default=576, help="hidden size")
     parser.add_argument("-V", type=int, default=49_152, help="vocabulary size")
     parser.add_argument("--chunk-size", type=int, help="rows per chunk of ours (default: 2^25 // V)")
     parser.add_argument("--repeat", type=int, default=2, help="CPU runs per variant; the fastest is reported")
     args = parser.parse_args()
-    if args.variant:
+    if args.lm_head_blocks:
+        lm_head_blocks_table(args.d, args.V)
+    elif args.variant:
         run_variant(args.variant, args.n, args.d, args.V, args.repeat, args.chunk_size)
     elif args.gpu:
         if not torch.cuda.is_available():

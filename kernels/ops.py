@@ -129,9 +129,9 @@ def _chunk_bwd(logits, targets, grad_logp, grad_entropy, xmax, logz, entropy, te
 
 
 # On a CPU, hidden @ weight.T for a whole vocabulary writes a [rows, V] result far larger than the caches, and
-# MKL's sgemm then runs 20-30% below its rate on the model's other matmuls (SmolLM2's [128 x 576] @ [576 x 49152],
-# a decode step's LM head: 66 -> 53 ms; a training chunk's [340 x 576] one: 160 -> 122 ms, 2-core AVX2 EPYC).
-# Column blocks of the output, each a matmul of its own written in place, keep the working set small.
+# MKL's sgemm then runs below its rate on the model's other matmuls. Column blocks of the output, each a matmul of
+# its own written in place, keep the working set small: `python bench/kernels.py --lm-head-blocks` (SmolLM2's head,
+# 2-core AVX2 EPYC) gave 1.17-1.21x at a decode step's 64-150 rows, 1.33-1.40x at 16, 1.07-1.15x at 340 rows.
 VOCAB_BLOCK = 2048
 
 
