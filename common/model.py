@@ -288,8 +288,8 @@ class LMHead(nn.Linear):
     CPU runs kernels.lm_head_logits: the vocabulary in column blocks, 15-30% faster there at decode shapes."""
 
     def forward(self, x):
-        if x.device.type != "cpu" or self.bias is not None or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        # lm_head_logits itself keeps the plain matmul off a CPU, in bf16 and under autocast
+        if self.bias is not None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         from kernels import lm_head_logits
         return lm_head_logits(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[0])
