@@ -84,6 +84,7 @@ class Config:
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
+    decay_steps: int = 3  # the last N steps lower the rate linearly toward 0 (N/(N+1), ..., 1/(N+1)); 0 = constant
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
@@ -122,7 +123,8 @@ def validate(cfg: Config):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
                  "eval_every", "save_every", "train_size", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    check(cfg.eval_max_new_tokens >= 0, "eval_max_new_tokens", "a non-negative integer")
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps"):
+        check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
@@ -440,6 +442,17 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     return stats
 
 
+def lr_factor(step: int, cfg: Config) -> float:
+    """The learning rate at 0-based `step` as a fraction of --lr: a linear warm-up, constant, then a linear decay over
+    the last --decay-steps steps (warmup-stable-decay; MiniCPM, arXiv 2404.06395 §4). The decay is our choice (the GRPO
+    papers keep the rate constant): late in a short run greedy accuracy moves by several points from one update to the
+    next (one default run held 0.40-0.42 from step 4 to 14, then fell to 0.36 at step 15), and small last updates end
+    the run on its plateau, while a whole-run (cosine) decay slowed a seed that learned late (+10.7 instead of +16)."""
+    warm = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
+    left = cfg.steps - step  # steps left, this one included: 1 at the last
+    return min(warm, left / (cfg.decay_steps + 1), 1.0)
+
+
 def optimizer_step(model, optimizer, cfg, stats) -> bool:
     """Clip and step; a non-finite gradient norm (or one above --skip-grad-norm) skips the step instead.
     The norm is of the all-reduced gradient, so every rank decides the same. Returns True if skipped."""
@@ -525,11 +538,10 @@ def main(argv=None):
     # default (foreach) path allocates; FSDP2's sharded weights keep the default path
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), fused=not cfg.fsdp)
-    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731  (warm-up, then constant)
     start_step = state["step"] if state else 0
     if state is not None:
         dist.load_optimizer_state(model, optimizer, state["optimizer"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=start_step - 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg), last_epoch=start_step - 1)
     if start_step:  # LambdaLR with last_epoch does not set the lr itself
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
@@ -616,6 +628,7 @@ def main(argv=None):
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
                            f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
                            f"in {ckpt_dir} is intact")
+        lr_used = optimizer.param_groups[0]["lr"]  # this step's rate; the scheduler now sets the next one's
         scheduler.step()
         dist.sync_rollout(model, rollout)
         t_train = time.time()
@@ -623,7 +636,7 @@ def main(argv=None):
         # ---- 6. log, save, evaluate
         metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
-        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        metrics["optim/lr"] = lr_used
         metrics.update(eapo_metrics(lam, tau, groups, aug_all, correct_all, x, omega))
         log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:

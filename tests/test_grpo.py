@@ -4,6 +4,7 @@ gradient, excluded prefix tokens get no gradient, groups of any size (one includ
 is 0, a non-finite gradient skips the step and the checkpoint stays good; then main() end to end: smoke runs,
 resume equivalence, bad input."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -255,6 +256,15 @@ def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):
     assert (ckpt / "model.safetensors").read_bytes() == good
 
 
+def test_lr_warms_up_holds_then_decays_over_the_last_steps():
+    f = [grpo.lr_factor(s, grpo.Config(steps=15, warmup_steps=3, decay_steps=3)) for s in range(15)]
+    assert f == pytest.approx([1 / 3, 2 / 3] + [1.0] * 10 + [3 / 4, 2 / 4, 1 / 4])  # the last update is small, not 0
+    assert [grpo.lr_factor(s, grpo.Config(steps=15, warmup_steps=3, decay_steps=0)) for s in range(15)] == \
+        pytest.approx([1 / 3, 2 / 3] + [1.0] * 13)  # --decay-steps 0: constant to the end
+    assert [grpo.lr_factor(s, grpo.Config(steps=3, warmup_steps=0, decay_steps=5)) for s in range(3)] == \
+        pytest.approx([3 / 6, 2 / 6, 1 / 6])  # a run shorter than its decay starts part-way down
+
+
 def test_step_prompts_cover_each_epoch_once():
     train = list(range(10))
     seen = [p for step in range(1, 6) for p in grpo.step_prompts(train, step, 4, seed=1)]
@@ -286,6 +296,9 @@ def test_smoke_two_steps(tmp_path, tiny_model_dir):
     rows = metrics(tmp_path, "smoke")
     assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2]
     assert [row["step"] for row in rows if "eval/greedy_acc" in row] == [0, 2]
+    # the rate each step's update used, not the next step's: 1/3 of --lr (warm-up), then 1/4 (the last of 2 steps is
+    # also the last of the --decay-steps 3 decay, which wins over the warm-up's 2/3)
+    assert [row["optim/lr"] for row in rows if "reward/mean" in row] == pytest.approx([1e-5, 0.75e-5])
     assert "done: greedy accuracy" in r.stdout
     ckpt = tmp_path / "runs" / "smoke" / "checkpoint"
     assert Transformer.from_pretrained(ckpt).cfg.num_layers == 2  # the checkpoint is a model folder
@@ -313,10 +326,15 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory):
     return folder
 
 
+# A run cut at step 2 by a crash had taken the whole run's rates; asked for 2 steps, it would decay its own last steps
+# (--decay-steps): it runs without the decay, which in the 4-step run is still under the warm-up at steps 1 and 2.
+AS_IF_CUT = ["--decay-steps", "0"]
+
+
 def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     common = digit_run(digit_model_dir, tmp_path)
     run_grpo(tmp_path, *common, "--steps", "4", "--run-name", "full")
-    run_grpo(tmp_path, *common, "--steps", "2", "--run-name", "cut")
+    run_grpo(tmp_path, *common, "--steps", "2", "--run-name", "cut", *AS_IF_CUT)
     run_grpo(tmp_path, *common, "--steps", "4", "--run-name", "cut", "--resume")
 
     def train_rows(name):
