@@ -268,7 +268,7 @@ def lr_factor(step: int, cfg: Config) -> float:
     the last --decay-steps steps (warmup-stable-decay; MiniCPM, arXiv 2404.06395 §4). The decay is our choice (the GRPO
     papers keep the rate constant): late in a short run greedy accuracy moves by several points from one update to the
     next (one default run held 0.40-0.42 from step 4 to 14, then fell to 0.36 at step 15), and small last updates end
-    the run on its plateau, while a whole-run (cosine) decay slowed a seed that learned late (+10.7 instead of +16)."""
+    the run on its plateau, while a decay over the whole run (a cosine, tried) slowed a seed that learned late."""
     warm = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
     left = cfg.steps - step  # steps left, this one included: 1 at the last
     return min(warm, left / (cfg.decay_steps + 1), 1.0)
