@@ -357,6 +357,7 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--eval-every", "0"], ["--eval-every", "positive"]),
     (["--save-every", "0"], ["--save-every", "positive"]),
     (["--train-size", "0"], ["--train-size", "positive"]),
+    (["--decay-steps", "-1"], ["--decay-steps", "non-negative"]),
     (["--max-new-tokens", "5000"], ["--max-new-tokens", "positions"]),
     (["--tis-cap", "0.5"], ["--tis-cap"]),
     (["--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "10"], ["--mini-batches"]),
