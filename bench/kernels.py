@@ -154,12 +154,10 @@ def gpu_tables(n=8192, vocab=151_936, d=896, device="cuda"):
 def lm_head_blocks_table(d, vocab, repeat=5):
     """kernels.lm_head_logits (vocabulary blocks) against one matmul, fp32 CPU, at decode (16-150 rows) and
     training-chunk (340 rows) shapes; the two alternate, the fastest of `repeat` timings (4 calls each) is reported."""
-    from kernels import ops
-
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, d, generator=g) / d ** 0.5
     print(f"CPU, hidden [rows, {d}] @ weight [{vocab}, {d}].T, fp32, {torch.get_num_threads()} threads, "
-          f"blocks of {ops.VOCAB_BLOCK} columns")
+          f"blocks of {kernels.ops.VOCAB_BLOCK} columns")
     print(f"{'rows':>6}{'one matmul ms':>15}{'blocks ms':>11}{'ratio':>8}")
     for rows in (16, 64, 128, 150, 340):
         hidden = torch.randn(rows, d, generator=g)
