@@ -229,3 +229,18 @@ def test_more_ranks_than_gpus_is_one_line_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RunError, match="local rank 1, but the machine has 1 GPU"):
         common_dist.setup("cuda")
+
+
+def test_cleanup_waits_for_every_rank_before_leaving(monkeypatch):
+    """dist.cleanup() passes a barrier before it destroys the process group. Without it, a rank with nothing
+    left to do began shutting Python down while a gloo worker thread was still releasing a finished
+    collective's tensors, and died of SIGABRT or SIGSEGV at exit (the two-process tests above, now and then).
+    That race cannot be provoked on demand, so this pins the order of the two calls."""
+    from common import dist as common_dist
+
+    calls = []
+    monkeypatch.setattr(common_dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(common_dist.td, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(common_dist.td, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    common_dist.cleanup()
+    assert calls == ["barrier", "destroy"]
