@@ -193,13 +193,48 @@ def step_prompts(train, step, n, seed):
     return out
 
 
+# -------------------------------------------------------------------------------------------- loss
+
+def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
+    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
+    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    return policy_loss(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+                       entropy=entropy, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap or None, **kw)
+
+
+def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
+    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    old_logp = old_logp.detach()
+    if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
+        log_ratio = logp - old_logp
+    else:  # GSPO §4 (GSPO-token): every token of completion i takes s_i = exp(mean log-ratio), gradient s_i ∇log π_θ
+        n_seq = int(seq_ids.max()) + 1
+        seq_sum = logp.new_zeros(n_seq).index_add_(0, seq_ids, (logp - old_logp).detach())
+        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids] + logp - logp.detach()
+    ratio = log_ratio.exp()
+    # the clipped surrogate (PPO eq. 7) per token, as GRPO's objective (arXiv 2402.03300 §4.1.1, eq. 3), with DAPO's
+    # clip-higher (arXiv 2503.14476 §3.1): ε_high > ε_low leaves an unlikely token more room to rise
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = loss * weights
+    if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
+        loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
+    if ref_logp is not None:  # k3 estimate of KL(π_θ || π_ref), GRPO eq. 4; the clamp keeps exp() finite
+        x = (ref_logp - logp).clamp(-10, 10)
+        loss = loss + cfg.kl_coef * (x.exp() - x - 1)
+    loss = loss - cfg.entropy_coef * entropy  # the entropy bonus
+    ratio = ratio.detach()
+    return loss, (ratio < 1 - cfg.eps_low) & (adv < 0), (ratio > 1 + cfg.eps_high) & (adv > 0)
+
+
 # ------------------------------------------------------------------------------------------ update
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
     (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    token_loss (weights, ...). Returns summed diagnostics."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
@@ -230,12 +265,11 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
                         extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
                     if cfg.tis_cap:
-                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                        extra["sampler_logp"] = b.sampler_logp[tok].to(device)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
-                    loss_tok, clip_low, clip_high = policy_loss(
-                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    loss_tok, clip_low, clip_high = token_loss(logp, old, tok_adv[tok].to(device), entropy, cfg,
+                                                               ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
                 with torch.no_grad():  # diagnostics

@@ -224,6 +224,40 @@ def test_token_weights():
     torch.testing.assert_close(grpo.token_weights(lengths, "token-mean", 8, 2, 6), torch.full((6,), 1 / 6))
 
 
+@pytest.mark.parametrize("options", [{}, {"weights"}, {"seq_ids"}, {"sampler_logp"}, {"ref_logp"}, {"entropy"},
+                                     {"weights", "seq_ids", "sampler_logp", "ref_logp", "entropy"}])
+def test_token_loss_plain_is_the_fused_loss(options):
+    """grpo.py's written-out loss and the fused call it stands beside: equal values, clip masks and gradients (logp
+    and entropy) in float64, with ratios spread far enough that both clips and the TIS cap act."""
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    logp = (-3 * torch.rand(n, generator=g, dtype=torch.float64)).requires_grad_()
+    old = logp.detach() + 0.6 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    entropy = (2 * torch.rand(n, generator=g, dtype=torch.float64)).requires_grad_()
+    kw = {"weights": torch.rand(n, generator=g, dtype=torch.float64) * 2,
+          "seq_ids": torch.randint(0, 5, (n,), generator=g),
+          "sampler_logp": old + 0.5 * torch.randn(n, generator=g, dtype=torch.float64),
+          "ref_logp": logp.detach() + torch.randn(n, generator=g, dtype=torch.float64)}
+    kw = {k: v for k, v in kw.items() if k in options}
+    cfg = grpo.Config(tis_cap=1.5 if "sampler_logp" in options else 0.0, kl_coef=0.05 if "ref_logp" in options else 0,
+                      entropy_coef=0.01 if "entropy" in options else 0.0)
+    outs = [f(logp, old, adv, entropy, cfg, **kw) for f in (grpo.token_loss, grpo.token_loss_plain)]
+    (fused, low_f, high_f), (plain, low_p, high_p) = outs
+    assert low_p.any() and high_p.any()  # both clips act on these inputs
+    assert torch.equal(low_f, low_p) and torch.equal(high_f, high_p)
+    torch.testing.assert_close(fused.double(), plain, rtol=1e-5, atol=1e-6)  # the kernel computes in fp32
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((loss.double() * weights).sum(), (logp, entropy), allow_unused=True)
+             for loss in (fused, plain)]
+    for a, b in zip(*grads):
+        if a is None or b is None:  # entropy has no gradient when the bonus is off, in both
+            assert a is None or not a.any()
+            assert b is None or not b.any()
+        else:
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
 def test_non_finite_gradient_skips_the_step(model, monkeypatch):
     b, rewards = make_batch()
     adv = grpo.group_advantages(rewards, b.group, "std")
