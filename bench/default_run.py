@@ -3,6 +3,7 @@ peak memory, and the work done (training FLOPs, sampled tokens), for one or seve
 
     python bench/default_run.py                       # `python grpo.py` (the defaults), seed 0, and its table
     python bench/default_run.py --seeds 0 1 2         # one run per seed, one after the other
+    python bench/default_run.py --algo all --seeds 0 1 2 -- --dtype float32   # the five files, side by side per seed
     python bench/default_run.py --algo exgrpo         # `python exgrpo.py` (its defaults); also xrpo, extra, eapo
     python bench/default_run.py --algo eapo           # EAPO's two commands: a grpo.py run of the seed, then eapo.py
     python bench/default_run.py --run runs/NAME       # only summarise a run that already exists
@@ -94,7 +95,8 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     train_flops = 6 * params * total("perf/train_fwd_tokens")
     sample_flops = 2 * params * total("perf/sampled_tokens")
     out = {"run": str(run), "acc_before": evals[0]["eval/greedy_acc"], "acc_after": evals[-1]["eval/greedy_acc"],
-           "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps)}
+           "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps),
+           "step_split": {part: mean(f"perf/{part}_s") for part in ("sample", "score", "train")}, "gflops": gflops}
     print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if wall is not None else ""))
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
@@ -164,19 +166,28 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
 
 
 def overview(results: list):
-    """One row per run, then the mean +- std of the gain over seeds per algorithm."""
-    if len(results) < 2:
-        return
-    print("\n| algorithm | seed | before -> after | gain | wall | peak RSS |\n|---|---|---|---|---|---|")
+    """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
+    mean +- std of the gain and of that ratio over seeds per algorithm."""
+    grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
+    ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
+    print(f"\nCPU flags: {cpu_flags()}")
+    print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
+          "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|")
     for algo, seed, r in results:
         wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
+        rel = f"{ratio(seed, r):.2f}" if ratio(seed, r) is not None else "-"
+        split = " + ".join(f"{r['step_split'][k]:.1f}" for k in ("sample", "score", "train")) + " s"
+        rate = f"{r['gflops'][0]:.0f} / {r['gflops'][1]:.0f} GFLOP/s" if r.get("gflops") else "-"
         print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
-              f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {r['peak_rss_gb']:.2f} GB |")
-    print("\n| algorithm | runs | gain, mean ± std (points) |\n|---|---|---|")
+              f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {split} | "
+              f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {rate} |")
+    print("\n| algorithm | runs | gain, mean ± std (points) | wall / grpo, mean |\n|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
         gains = [100 * (r["acc_after"] - r["acc_before"]) for a, _, r in results if a == algo]
         spread = f" ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else ""
-        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} |")
+        rels = [x for x in (ratio(s, r) for a, s, r in results if a == algo) if x is not None]
+        rel = f"{statistics.fmean(rels):.2f}" if rels else "-"
+        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {rel} |")
 
 
 def finished_run(algo: str, seed: int) -> Path | None:
@@ -228,7 +239,8 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, nargs="+", help="summarise these run folders instead of starting runs")
-    p.add_argument("--algo", default="grpo", help="the algorithm file(s), comma-separated: grpo, exgrpo, xrpo, extra, eapo")
+    p.add_argument("--algo", default="grpo",
+                   help="the algorithm file(s), comma-separated: grpo, exgrpo, xrpo, extra, eapo; or all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of each algorithm per seed")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (for a GPU; 1 on a CPU)")
     p.add_argument("--held-out", type=int, default=0,
@@ -250,14 +262,17 @@ def main():
             if args.held_out:
                 reevaluate(run, args.held_out)
         return overview(results)
-    algos = [a for a in args.algo.split(",") if a]
+    algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:
             sys.exit(f"bench/default_run.py: --algo: expected names among {','.join(ALGOS)}, got {a!r}")
     if args.jobs < 1:
         sys.exit("bench/default_run.py: --jobs: expected a positive integer")
-    # EAPO last, so that its prior (the grpo.py run of its seed) is made by the first wave when grpo is asked for too
-    waves = [[(a, s) for a in algos if a != "eapo" for s in args.seeds], [("eapo", s) for s in args.seeds if "eapo" in algos]]
+    # One at a time: seed by seed, each algorithm right after grpo.py's run of the same seed (the machine's speed
+    # drifts over hours, so a ratio of neighbouring runs is what compares); EAPO's prior is that grpo.py run.
+    # At once (a GPU): EAPO in a second wave, so that its prior is made by the first when grpo is asked for too.
+    waves = ([[(a, s) for s in args.seeds for a in ALGOS if a in algos]] if args.jobs == 1 else
+             [[(a, s) for a in algos if a != "eapo" for s in args.seeds], [("eapo", s) for s in args.seeds if "eapo" in algos]])
     done = []
     for wave in waves:
         with ThreadPoolExecutor(args.jobs) as pool:

@@ -51,3 +51,16 @@ def test_bad_algo_and_missing_run_are_one_line_errors(tmp_path):
         r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
+
+
+def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
+    """--jobs 1: seed by seed, grpo.py first, each other file right after it (EAPO takes that run as its prior), and
+    the overview gives each run's wall time as a ratio to grpo.py's run of the same seed."""
+    out = bench(tmp_path, "--algo", "eapo,grpo", "--seeds", "1", "0", "--", "--model", str(tiny_model_dir), *TINY)
+    started = [line.split("--seed ")[1].split()[0] + " " + line.split()[1].split("/")[-1]
+               for line in out.splitlines() if line.startswith("run:")]
+    assert started == ["1 grpo.py", "1 eapo.py", "0 grpo.py", "0 eapo.py"], started
+    rows = [line for line in out.splitlines() if line.startswith("| grpo | ") or line.startswith("| eapo | ")]
+    grpo_rows = [r for r in rows if r.startswith("| grpo | 1 |") or r.startswith("| grpo | 0 |")]
+    assert len(grpo_rows) == 2 and all(" | 1.00 | " in r for r in grpo_rows), rows
+    assert "CPU flags:" in out and "| wall / grpo, mean |" in out
