@@ -10,7 +10,7 @@ process and reports its peak RSS (getrusage); a baseline process that only alloc
 subtracted, so the numbers are the extra memory of forward + backward.
 GPU: N = 8192, V = 151,936 (Qwen), bf16: ours vs eager vs torch.compile, time (do_bench median),
 peak memory, bandwidth as a fraction of a device-to-device copy; the LM-head path too (d = 896).
-Numbers and commands are kept in bench/KERNELS.md.
+Numbers and commands are kept in docs/kernels.md.
 """
 import argparse
 import json
