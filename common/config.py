@@ -5,8 +5,9 @@
         group_size: int = 8  # completions per prompt
     cfg = parse(Config)            # python grpo.py --group-size 16
 
-The comment after each field is its --help text. Booleans take --flag / --no-flag. A `choices` dict on the
-dataclass restricts string fields. Errors are one line and exit 2; see `main_guard`.
+The comment after each field (else the comment lines right above it) is its --help text, followed by its
+default; the module docstring's first paragraph is the description. Booleans take --flag / --no-flag. A
+`choices` dict on the dataclass restricts string fields. Errors are one line and exit 2; see `main_guard`.
 """
 import argparse
 import dataclasses
@@ -24,11 +25,29 @@ class RunError(RuntimeError):
 
 
 def _field_comments(cls) -> dict:
-    src = inspect.getsource(cls)
-    return dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.*)$", src, re.M))
+    """Each field's help: the comment after it, else the comment lines right above it."""
+    helps, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        comment = re.match(r"\s+#\s*(.*)$", line)
+        field = re.match(r"\s+(\w+)\s*:[^#]*(?:#\s*(.*))?$", line)
+        if comment:
+            above.append(comment[1])
+            continue
+        if field:
+            helps[field[1]] = field[2] or " ".join(above)
+        above = []
+    return helps
+
+
+def _description(module) -> str:
+    """The module docstring's first paragraph (up to its first blank line), as one paragraph."""
+    paragraphs = re.split(r"\n\s*\n", (module.__doc__ or "").strip())
+    return " ".join(paragraphs[0].split())
 
 
 class _OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, exit 2 (argparse's own also prints the usage)."""
+
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
@@ -38,10 +57,12 @@ def parse(cls, argv=None):
     """Build a command line from the dataclass `cls` and return an instance filled from `argv`."""
     helps = _field_comments(cls)
     choices = getattr(cls, "choices", {})
-    p = _OneLineParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n")[0])
+    p = _OneLineParser(description=_description(sys.modules[cls.__module__]),
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # every option shows its default
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(default=f.default, help=helps.get(f.name, ""), dest=f.name)
+        help_text = helps.get(f.name, "").replace("%", "%%")  # argparse %-formats help; "50%" would raise
+        kw = dict(default=f.default, help=help_text or "(default: %(default)s)", dest=f.name)  # blank: not shown
         typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), str)
         if typ is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
