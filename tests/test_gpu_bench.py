@@ -1,0 +1,88 @@
+"""bench/gpu.py, the one-GPU benchmark, at tiny shapes on the CPU: every part runs and reports numbers, so the script
+that waits for a GPU cannot rot; and its time caps skip or stop a part without losing the others' results."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import gpu
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_tiny_run_reports_every_part(tmp_path):
+    out = tmp_path / "tiny"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), "--cpu-tiny", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sum(line.startswith("[bench/gpu.py] part ") for line in r.stdout.splitlines()) == 5  # one line per part
+    results = json.loads((out / "results.json").read_text())
+    parts = results["parts"]
+    assert list(parts) == ["ceilings", "sampler", "train", "kernels", "suite"]
+    assert all(p["status"] == "ok" for p in parts.values()), {k: p.get("error") for k, p in parts.items()}
+    assert parts["ceilings"]["copy_bytes_per_s"] > 0 and parts["ceilings"]["matmul_flops_per_s"] > 0
+
+    sampler = parts["sampler"]["rows"]
+    variants = {(b, v) for b in (4, 1, 2) for v in ("ours eager", "transformers")}
+    assert {(r["batch"], r["variant"]) for r in sampler} == variants
+    assert all(r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] <= 1 for r in sampler)
+    assert all(r["vs_transformers"] > 0 for r in sampler if r["variant"] == "ours eager")
+    skipped = {s["what"]: s["why"] for s in parts["sampler"]["skipped"]}
+    assert skipped["ours CUDA graphs"].startswith(gpu.CPU_SKIP)
+
+    train = parts["train"]["rows"]
+    assert [(r["model"], r["checkpointing"]) for r in train] == [("0.5b", False), ("0.5b", True), ("1.5b", True),
+                                                                 ("1.5b", False)]
+    for row in train:  # an MFU above 1 would mean the FLOPs or the rate are miscounted
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= 1 and row["optimizer_step_s"] > 0
+        assert row["peak_rss_bytes"] > 0 and row["peak_gpu_bytes"] == gpu.CPU_SKIP
+
+    ops = [r["op"] for r in parts["kernels"]["rows"]]
+    assert ops == ["logprobs_entropy fwd", "policy_loss fwd+bwd", "policy_loss fwd+bwd"]
+    assert all(r["ours_ms"] > 0 and r["eager_ms"] > 0 for r in parts["kernels"]["rows"])
+    assert parts["kernels"]["skipped"][0]["why"].startswith(gpu.CPU_SKIP)
+    (suite,) = parts["suite"]["rows"]
+    assert suite["rc"] == 0 and "1 passed" in suite["summary"]
+
+    md = (out / "results.md").read_text()
+    assert "| device | torch | Triton | transformers | date | commit | wall s |" in md
+    assert f"| {results['meta']['device']} | {results['meta']['torch']} | " in md
+    assert "## Goals (issue 39)" in md and "| 1.5b | True | 198 |" in md
+    assert sorted(f.name for f in out.iterdir()) == ["log.txt", "results.json", "results.md"]  # parts merged
+
+
+def test_a_part_skips_what_no_longer_fits(tmp_path):
+    """On a GPU a measurement that would run past the part's cap is skipped with a note (fails if fits ignores time)."""
+    part = gpu.Part("sampler", tmp_path, time.time() + 20, tiny=False)
+    assert not part.fits("ours CUDA graphs B=1", "graphs first")  # needs ~90 s
+    assert part.fits("ours eager B=1", "eager")  # needs ~10 s
+    (skip,) = json.loads((tmp_path / ".part-sampler.json").read_text())["skipped"]
+    assert skip["what"] == "ours CUDA graphs B=1" and skip["why"].startswith("time cap: ")
+
+
+def test_a_part_stopped_or_crashed_keeps_its_rows(tmp_path):
+    """A part killed at its cap (or dead of a crash) keeps the rows it saved, with a status that says so; the kill
+    reaches the whole process group (fails if run_capped waits for the child)."""
+    part = gpu.Part("train", tmp_path, time.time() + 60, tiny=True)
+    part.row(model="0.5b", tokens_per_s=1.0)
+    start = time.time()
+    rc, output = gpu.run_capped([sys.executable, "-c", "import time; time.sleep(60)"], 1, capture=True)
+    assert rc is None and "time cap" in output and time.time() - start < 30
+    stopped = gpu.collect(tmp_path, "train", rc)
+    assert stopped["status"] == "stopped at its time cap" and stopped["rows"] == [{"model": "0.5b", "tokens_per_s": 1.0}]
+    assert gpu.collect(tmp_path, "train", -11)["status"].startswith("crashed (exit code -11")
+    assert gpu.collect(tmp_path, "kernels", 1)["rows"] == []  # nothing saved at all: an empty part, not an exception
+
+
+def test_goals_are_read_off_the_rows():
+    parts = {"sampler": {"rows": [
+        dict(batch=256, variant="ours CUDA graphs", tokens_per_s=9e4, vs_transformers=6.0, roofline_fraction=0.4),
+        dict(batch=256, variant="ours eager", tokens_per_s=5e4, vs_transformers=3.0, roofline_fraction=0.2),
+        dict(batch=1, variant="ours CUDA graphs", tokens_per_s=2e3, roofline_fraction=0.65)]},
+        "train": {"rows": [dict(model="1.5b", mfu=0.35), dict(model="1.5b", mfu=None), dict(model="0.5b", mfu=0.5)]}}
+    lines = gpu.goals(parts)
+    assert "largest batch, ours (ours CUDA graphs) >= 5x transformers: 6, met" in lines[0]
+    assert lines[1].endswith("0.4, missed") and lines[2].endswith("0.65, met") and lines[3].endswith("0.35, missed")
+    assert lines[4].endswith("not measured") and lines[5].endswith("not run")
