@@ -5,7 +5,7 @@ signals taken from the policy's own rollouts; read it against grpo.py (`diff grp
     python extra.py --steps 2 --run-name smoke       # any option: python extra.py --help
     python extra.py --run-name NAME --resume         # continue a run from its last checkpoint
     python extra.py --no-novelty --no-regen          # the host alone: GRPO with ExTra's loss settings
-    python extra.py --model Qwen3-1.7B --task math500 ...   # paper-scale settings: see README
+    python extra.py --model Qwen3-1.7B --task math500 --kl-coef 0.001 ...   # paper-scale settings: see README
 
 (i) Novelty bonus (§3.1): each rollout's answer is embedded; its novelty d is the cosine distance to its nearest
 neighbour among the prompt's last H rollouts and its siblings. Correct rollouts get α·d added to their GRPO
@@ -14,7 +14,8 @@ advantage after the group normalisation, so all-correct groups still get a signa
 rollout is cut at line breaks; each prefix is scored by its mean token entropy (MTE, low = promising), smoothed
 over similar stored prefixes; prompt ++ the best prefix is queued and rolled out later as its own group, so the
 policy practises finishing from a promising partial solution. The prefix is context: it gets no loss.
-The host: GRPO with std advantages, token-mean clipped loss (0.2 / 0.28, dual clip 10), k3 KL 0.001, one epoch.
+The host: grpo.py with its defaults, plus ExTra's dual clip (c = 10) in token_loss. The paper's recipe also has a k3
+KL of 0.001 to the initial model (--kl-coef 0.001); not a default, so that the comparison with grpo.py is on equal terms.
 
 Left out: the paper embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the policy's own final
 hidden states, mean-pooled, stand in for it (no second model). Under torchrun the memories would be per rank,
@@ -54,14 +55,20 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 24  # problems generated for arith (ignored for data files); few, so prompts come back
-    # (our choice: 15 steps x 8 prompts visit each ~5 times; the novelty memory needs revisits)
+    train_size: int = 48  # problems generated for arith (ignored for data files); our choice: few, so that 16 x 15 draws visit each 5 times: novelty needs a prompt's memory from earlier visits
     # rollouts
     steps: int = 15  # training steps
-    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    # The CPU defaults below (16 x 8 rollouts, 48 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
+    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and the
+    # next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
+    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps the
+    # budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the 300
+    # held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96), not the
+    # trained model's (its answers are short): read a gain with the budget it was measured at.
+    prompts_per_step: int = 16  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
-    max_new_tokens: int = 96  # L_max: completion budget in tokens
-    eval_max_new_tokens: int = 0  # evaluations decode max(this, max_new_tokens) tokens
+    max_new_tokens: int = 48  # L_max: completion budget in tokens
+    eval_max_new_tokens: int = 64  # evaluations decode max(this, max_new_tokens) tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
@@ -73,12 +80,12 @@ class Config:
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
     tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
     dual_clip: float = 10.0  # c: for A < 0 the loss is at most c·|A| (dual-clip PPO, as ExTra's verl recipe); 0 = off
-    kl_coef: float = 0.001  # β: k3 KL to the initial model (ExTra's recipe: 0.001); 0 loads no reference model
+    kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model (paper recipe: 0.001)
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
-    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
@@ -93,7 +100,7 @@ class Config:
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
-    eval_size: int = 100  # held-out problems per evaluation
+    eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
     eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
     # ExTra (i): novelty bonus, §3.1
@@ -222,13 +229,70 @@ def step_prompts(train, step, n, seed):
     return out
 
 
+# -------------------------------------------------------------------------------------------- loss
+
+def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
+    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
+    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
+    ExTra's host adds the dual clip (Dual-clip PPO, Ye et al., arXiv 1912.09729; ExTra's verl recipe, c = 10): where A < 0 the
+    surrogate is at most c·|A|. With c > 1 it binds exactly on tokens with A < 0 and r > c, where the surrogate is
+    then the constant c·|A| (no gradient): those tokens get weight 0 in the fused call and the constant added.
+    KL and entropy are untouched."""
+    capped = dual_clipped(logp, old_logp, adv, cfg.dual_clip, kw.get("seq_ids"))  # [n] bool
+    scale = kw.pop("weights", None)
+    scale = torch.ones_like(adv) if scale is None else scale
+    loss, clip_low, clip_high = policy_loss(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, ref_logp=ref_logp,
+                                            kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef,
+                                            tis_cap=cfg.tis_cap or None, weights=scale * ~capped, **kw)
+    if "sampler_logp" in kw:  # the constant takes the surrogate's TIS factor too
+        scale = scale * (old_logp - kw["sampler_logp"]).exp().clamp(max=cfg.tis_cap)
+    return loss + cfg.dual_clip * adv.abs() * scale * capped, clip_low, clip_high
+
+
+def dual_clipped(logp, old_logp, adv, c, seq_ids=None):
+    """[n] bool: the tokens whose surrogate the dual clip caps, A < 0 and r > c (r: GSPO's sequence ratio with
+    seq_ids); none when c = 0 (off)."""
+    log_ratio = (logp - old_logp).detach()
+    if seq_ids is not None:
+        n_seq = int(seq_ids.max()) + 1
+        seq_sum = log_ratio.new_zeros(n_seq).index_add_(0, seq_ids, log_ratio)
+        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids]
+    return (adv < 0) & (log_ratio.exp() > c) if c else torch.zeros_like(adv, dtype=torch.bool)
+
+
+def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
+    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    old_logp = old_logp.detach()
+    if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
+        log_ratio = logp - old_logp
+    else:  # GSPO §4 (GSPO-token): every token of completion i takes s_i = exp(mean log-ratio), gradient s_i ∇log π_θ
+        n_seq = int(seq_ids.max()) + 1
+        seq_sum = logp.new_zeros(n_seq).index_add_(0, seq_ids, (logp - old_logp).detach())
+        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids] + logp - logp.detach()
+    ratio = log_ratio.exp()
+    # the clipped surrogate (PPO eq. 7) per token, as GRPO's objective (arXiv 2402.03300 §4.1.1, eq. 3), with DAPO's
+    # clip-higher (arXiv 2503.14476 §3.1): ε_high > ε_low leaves an unlikely token more room to rise
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = loss * weights
+    if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
+        loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
+    if ref_logp is not None:  # k3 estimate of KL(π_θ || π_ref), GRPO eq. 4; the clamp keeps exp() finite
+        x = (ref_logp - logp).clamp(-10, 10)
+        loss = loss + cfg.kl_coef * (x.exp() - x - 1)
+    loss = loss - cfg.entropy_coef * entropy  # the entropy bonus
+    ratio = ratio.detach()
+    return loss, (ratio < 1 - cfg.eps_low) & (adv < 0), (ratio > 1 + cfg.eps_high) & (adv > 0)
+
+
 # ------------------------------------------------------------------------------------------ update
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
     (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    token_loss (weights, ...). Returns summed diagnostics."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
@@ -259,12 +323,11 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
                         extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
                     if cfg.tis_cap:
-                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                        extra["sampler_logp"] = b.sampler_logp[tok].to(device)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
-                    loss_tok, clip_low, clip_high = policy_loss(
-                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, dual_clip=cfg.dual_clip or None, **extra)
+                    loss_tok, clip_low, clip_high = token_loss(logp, old, tok_adv[tok].to(device), entropy, cfg,
+                                                               ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
                 with torch.no_grad():  # diagnostics

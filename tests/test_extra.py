@@ -1,6 +1,7 @@
 """extra.py: every test property of ExTra (arXiv 2606.24994) as we implement it (numbered 1-11 below), the
 reduction to grpo.py with both mechanisms off, resume equivalence, a smoke run, and bad input."""
 import contextlib
+import dataclasses
 import json
 import math
 
@@ -18,6 +19,64 @@ from common.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return Transformer.from_pretrained(tiny_model_dir)
+
+
+# ------------------------------------------------------------------------- the loss: ExTra's dual clip
+
+@pytest.mark.parametrize("c", [3.0, 1.1])
+@pytest.mark.parametrize("options", [{}, {"weights", "sampler_logp", "ref_logp", "entropy"}, {"seq_ids"}])
+def test_dual_clip_is_the_direct_formula(c, options):
+    """extra.token_loss (the fused call with the dual clip added) against the direct formula in float64: the clipped
+    surrogate ℓ becomes min(ℓ, -c·A) where A < 0, then weights and TIS multiply it; KL and entropy are untouched.
+    Values and gradients (logp, entropy). Catches the dual clip dropped, applied where A > 0, or leaving a gradient
+    on the capped tokens; c = 1.1 < 1 + ε_high checks it also binds inside the ratio clip's range."""
+    g = torch.Generator().manual_seed(2)
+    n = 60
+    logp = (-3 * torch.rand(n, generator=g, dtype=torch.float64)).requires_grad_()
+    old = logp.detach() - 1.5 * torch.rand(n, generator=g, dtype=torch.float64) + 0.3  # ratios from 0.74 to 3.3
+    old[:10] = logp.detach()[:10] - 3.0  # ratio e^3 = 20 > c
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    entropy = (2 * torch.rand(n, generator=g, dtype=torch.float64)).requires_grad_()
+    kw = {"weights": torch.rand(n, generator=g, dtype=torch.float64) * 2,
+          "sampler_logp": old + 0.5 * torch.randn(n, generator=g, dtype=torch.float64),
+          "ref_logp": logp.detach() + torch.randn(n, generator=g, dtype=torch.float64),
+          "seq_ids": torch.arange(n) // 6}  # six tokens a sequence, the first ten tokens' sequences far off
+    kw = {k: v for k, v in kw.items() if k in options}
+    cfg = extra.Config(dual_clip=c, tis_cap=1.5 if "sampler_logp" in kw else 0.0,
+                       kl_coef=0.05 if "ref_logp" in kw else 0.0, entropy_coef=0.01 if "entropy" in kw else 0.0)
+    fused, low, high = extra.token_loss(logp, old, adv, entropy, cfg, **kw)
+    # the direct formula, from grpo.py's written-out loss
+    surrogate = grpo.token_loss_plain(logp, old, adv, entropy, dataclasses.replace(cfg, kl_coef=0.0, entropy_coef=0.0),
+                                      seq_ids=kw.get("seq_ids"))[0]
+    factor = kw.get("weights", torch.ones(n, dtype=torch.float64))
+    if "sampler_logp" in kw:
+        factor = factor * (old - kw["sampler_logp"]).exp().clamp(max=cfg.tis_cap)
+    plain, low_p, high_p = grpo.token_loss_plain(logp, old, adv, entropy, cfg, **kw)
+    direct = torch.where(adv < 0, torch.minimum(surrogate, -c * adv), surrogate) * factor + (plain - surrogate * factor)
+    capped = (adv < 0) & (surrogate > -c * adv)
+    assert capped.sum() >= 3 and ((adv > 0) & (surrogate.detach() < 0) & (old < logp - 2)).any()  # A > 0 at r > c: not capped
+    assert torch.equal(low, low_p) and torch.equal(high, high_p)
+    torch.testing.assert_close(fused.double(), direct, rtol=1e-5, atol=1e-6)  # the kernel computes in fp32
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((loss.double() * weights).sum(), (logp, entropy), allow_unused=True)
+             for loss in (fused, direct)]
+    assert "ref_logp" in kw or not grads[1][0][capped].any()  # the capped tokens' surrogate is a constant
+    for a, b in zip(*grads):
+        if a is None or b is None:  # entropy has no gradient when its bonus is off
+            assert (a is None or not a.any()) and (b is None or not b.any())
+        else:
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_dual_clip_off_is_grpo_loss():
+    """--dual-clip 0: extra.token_loss equals grpo.token_loss exactly (catches a constant or weight left in when off)."""
+    g = torch.Generator().manual_seed(3)
+    logp = -3 * torch.rand(30, generator=g)
+    old, adv, entropy = logp - 3 * torch.rand(30, generator=g), torch.randn(30, generator=g), torch.rand(30, generator=g)
+    cfg = extra.Config(dual_clip=0.0, kl_coef=0.05, entropy_coef=0.01)
+    ours = extra.token_loss(logp, old, adv, entropy, cfg, ref_logp=logp + 0.1)
+    theirs = grpo.token_loss(logp, old, adv, entropy, grpo.Config(kl_coef=0.05, entropy_coef=0.01), ref_logp=logp + 0.1)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 # ------------------------------------------------------------------ novelty bonus (properties 2-4)
@@ -263,11 +322,11 @@ def weights(tmp_path, name):
 
 def test_mechanisms_off_is_a_grpo_step(tmp_path, line_model_dir, monkeypatch):  # property 1
     """--no-novelty --no-regen: one step of extra.py gives exactly grpo.py's weights with the same options
-    (ExTra's dual clip stays on: it cannot bind at ratio 1)."""
+    (ExTra's dual clip stays on: it cannot bind at ratio 1; the KL term is on in both, to check it is unchanged)."""
     monkeypatch.chdir(tmp_path)
     host = [*host_args(line_model_dir, tmp_path), "--steps", "1"]
     grpo.main([*host, "--kl-coef", "0.001", "--run-name", "g"])
-    extra.main([*host, *EXTRA_ARGS, "--no-novelty", "--no-regen", "--run-name", "x"])
+    extra.main([*host, *EXTRA_ARGS, "--kl-coef", "0.001", "--no-novelty", "--no-regen", "--run-name", "x"])
     g, x, init = weights(tmp_path, "g"), weights(tmp_path, "x"), load_file(str(line_model_dir / "model.safetensors"))
     assert g.keys() == x.keys() and all(torch.equal(g[k], x[k]) for k in g)
     assert any(not torch.equal(g[k], init[k]) for k in g)  # the step did move the weights
