@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from common.config import RunError
+from common.errors import RunError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 

@@ -15,13 +15,7 @@ import inspect
 import re
 import sys
 
-
-class ConfigError(ValueError):
-    """An impossible option; the message names the option and what was expected."""
-
-
-class RunError(RuntimeError):
-    """A run that cannot go on (e.g. diverged); the message is one line and says what is kept."""
+from common.errors import ConfigError, DataError, ModelError, RunError
 
 
 def _field_comments(cls) -> dict:
@@ -79,9 +73,6 @@ def check(condition: bool, option: str, expected: str):
 
 def main_guard(main):
     """Run `main()`; a user mistake (bad option, path, data line, model folder) prints one line and exits 2."""
-    from common.model import ModelError
-    from common.tasks import DataError
-
     try:
         return main()
     except (ConfigError, ModelError, DataError) as e:

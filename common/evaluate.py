@@ -11,9 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from common import dist
+from common.config import check, main_guard, parse
+from common.model import Transformer
 from common.passk import maj_at_k_correct, pass_at_k
 from common.sampler import generate
-from common.tasks import format_question
+from common.tasks import format_question, load_task
+from common.tokenizer import Tokenizer
 from common.verifier import score
 
 
@@ -76,11 +79,6 @@ class Config:
 
 
 def main():
-    from common.config import check, parse
-    from common.model import Transformer
-    from common.tasks import load_task
-    from common.tokenizer import Tokenizer
-
     cfg = parse(Config)
     check(cfg.limit >= 0 and cfg.samples >= 0 and cfg.batch > 0 and cfg.sample_batch > 0, "limit/samples/batch",
           "non-negative numbers, batch and sample_batch > 0")
@@ -98,6 +96,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from common.config import main_guard
-
     main_guard(main)

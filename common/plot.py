@@ -30,7 +30,7 @@ def main(argv=None):
     p.add_argument("--metrics", nargs="+", default=DEFAULT, help="metric names, one panel each")
     p.add_argument("--out", default="curves.png", help="the PNG to write")
     args = p.parse_args(argv)
-    try:
+    try:  # matplotlib is optional: only this script needs it
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.errors import DataError
+
 DATA = Path(__file__).resolve().parents[1] / "data"  # shipped with the project; any working directory
 FILES = {  # task name -> data file per split, relative to the data folder
     "gsm8k": {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"},
@@ -32,10 +34,6 @@ ARITH_N = 1000  # problems generated when load_task("arith", ...) gets n=None
 # 25%, level 3 0%, level 4 ~3%; so the default mix starts near 30%. "arith:1,1,2,3" sets another.
 ARITH_LEVELS = (1, 2, 3)
 EXPECTED = "expected a JSON object with fields question/answer, problem/answer or prompt/answer"
-
-
-class DataError(ValueError):
-    """Bad task name, missing file or malformed line; the message says where and what was expected."""
 
 
 @dataclass

@@ -10,6 +10,11 @@ import json
 import re
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+
+from common.errors import ModelError
+from common.hub import resolve_model_dir
+
 # Tokens that end a turn or a document in the model families we support.
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
@@ -30,10 +35,6 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-        from common.hub import resolve_model_dir
-        from common.model import ModelError
-
         folder = resolve_model_dir(path)
         if not (folder / "tokenizer.json").is_file():
             raise ModelError(f"{folder}: no tokenizer.json")

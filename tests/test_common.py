@@ -1,0 +1,57 @@
+"""common/ as a whole: the user errors live in one module, and no two modules of common/ import each other."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from common import errors
+from common.config import main_guard
+
+COMMON = Path(__file__).resolve().parents[1] / "common"
+
+
+def test_each_error_is_one_class_importable_where_it_always_was():
+    """Fails when a module defines its own copy of an error (main_guard would not catch it)."""
+    from common.config import ConfigError, RunError
+    from common.model import ModelError
+    from common.tasks import DataError
+
+    assert (ConfigError, RunError, ModelError, DataError) == (
+        errors.ConfigError, errors.RunError, errors.ModelError, errors.DataError)
+
+
+@pytest.mark.parametrize("error, code", [(errors.ConfigError, 2), (errors.ModelError, 2), (errors.DataError, 2),
+                                         (errors.RunError, 1)])
+def test_main_guard_prints_one_line_and_exits(error, code, capsys):
+    def main():
+        raise error("--steps: expected a positive number")
+
+    with pytest.raises(SystemExit) as e:
+        main_guard(main)
+    assert e.value.code == code
+    assert capsys.readouterr().err == "error: --steps: expected a positive number\n"
+
+
+def imports(path: Path) -> set:
+    """The modules of common/ that `path` imports, at its top or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "common":
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("common.")}
+    return out - {path.stem}
+
+
+def test_common_has_no_import_cycle():
+    """Fails when two modules of common/ import each other, directly or through others (as hub.py and
+    model.py once did, from inside functions)."""
+    graph = {path.stem: imports(path) for path in COMMON.glob("*.py")}
+
+    def reaches(start, target, seen):
+        return any(m == target or (m not in seen and reaches(m, target, seen | {m})) for m in graph.get(start, ()))
+
+    cycles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not cycles, f"import cycles through {cycles}: {({m: sorted(graph[m]) for m in cycles})}"
