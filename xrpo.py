@@ -1,4 +1,4 @@
-"""XRPO: eXplore-eXploit GRPO (arXiv 2510.06672). grpo.py's loop with three additions, each switchable:
+"""XRPO: eXplore-eXploit GRPO (arXiv 2510.06672). grpo.py's loop with three additions, each one switch:
 
   1. hierarchical rollout planning (§3.2, eqs 1-3): every prompt gets n_base rollouts, then N_plan rounds split the
      rest of the step's budget over the prompts in proportion to Π = Δ + φ: how much one more rollout would
@@ -7,22 +7,30 @@
      from a prompt that shows up to K verified solutions of similar other problems, taken from a corpus of the
      run's own correct rollouts; they train with that prompt as context and are normalised in the prompt's group;
   3. novelty-guided advantage sharpening (§3.3, eqs 4-6): a correct rollout that the policy finds less likely
-     than its group does on average gets a bonus λ_nov (1 - η), capped at κ A.
+     than its group does on average gets a bonus λ_nov (1 - η), capped at κ A. This is XRPO's change to the
+     loss: the update receives the sharpened advantages; the clipped objective itself is grpo.py's.
 
     python xrpo.py                                   # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
     python xrpo.py --steps 2 --run-name smoke        # any option: python xrpo.py --help
     python xrpo.py --run-name NAME --resume          # continue a run (the ICL corpus is in the checkpoint)
-    python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0 --kl-coef 0   # all off: python grpo.py
+    python xrpo.py --alloc uniform                   # Table 5's ablations: w/o HRP (rounds kept, split evenly),
+    python xrpo.py --no-icl                          #   w/o ICL,
+    python xrpo.py --nov-lambda 0                    #   w/o AS (both: w/o AS+ICL)
+    python xrpo.py --icl-init 64                     # the corpus seeded from the base model's answers (Alg. 1's C_init)
+    python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all off: python grpo.py, bit for bit
+    torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --prompts-per-step 16 \
+        --group-size 8 --base-rollouts 4 --rounds 2 --icl-max-len 8192 --kl-coef 0.001 --max-new-tokens 16384 \
+        --temperature 1.0 --lr 2e-6 --decay-steps 0 ...   # the paper's setting (§4.1); see README
 
 A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at equal
-sampling cost. The loss is grpo.py's (token-mean, clip 0.2/0.28) with the k3 KL at β = 0.001 (§4.1); --seq-ratio
-gives XRPO on GSPO. Problem statements are embedded by the policy's own initial weights (pooled final hidden
-states) instead of the paper's separate Qwen3-Embedding-8B: no second model. Evaluation never uses ICL (§4.1).
+sampling cost. The loss is grpo.py's (token-mean, clip 0.2/0.28); the paper adds a KL at β = 0.001 (§4.1), off here
+as in grpo.py (--kl-coef 0.001 adds it: a reference model and its forward); --seq-ratio gives XRPO on GSPO. Problem
+statements are embedded by the policy's own initial weights (pooled final hidden states) instead of the paper's
+separate Qwen3-Embedding-8B, once before the first update: no second model. Evaluation never uses ICL (§4.1).
 
 Left out on purpose: a format reward (off by default, --format-reward adds it), length penalties,
-refilling groups dropped by dynamic sampling (we drop them and log how many), value models. From XRPO: a corpus
-seeded before training with the base model's correct samples (Alg. 1's C_init; ours starts empty, as §3.2 says),
-a per-prompt cap on the allocation, and re-conditioning ICL rollouts on the plain prompt (they train in theirs).
+refilling groups dropped by dynamic sampling (we drop them and log how many), value models. From XRPO: a per-prompt
+cap on the allocation, and re-conditioning ICL rollouts on the plain prompt (they train in theirs).
 """
 import copy
 import functools
@@ -62,26 +70,43 @@ class Config:
     train_size: int = 2000  # problems generated for arith (ignored for data files)
     # rollouts
     steps: int = 15  # training steps
-    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
-    group_size: int = 8  # G: rollouts per prompt on average: a step samples B×G in all, as grpo.py does
-    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (XRPO §3.2; >= 3 advised, >= 2 required)
-    rounds: int = 2  # N_plan: rounds that split the other B×(G - n_base) rollouts by priority Π (§3.2)
-    alloc: str = "proportional"  # proportional (T·Π/ΣΠ, largest remainder) or greedy (one unit at a time, eq. 3)
-    alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (Table 4b)
-    alloc_conf: float = 0.95  # confidence level of the t-interval behind Δ (our reading of Table 4b's "α" column)
-    max_new_tokens: int = 96  # L_max: completion budget in tokens
-    eval_max_new_tokens: int = 0  # evaluations decode max(this, max_new_tokens) tokens
+    # The CPU defaults below (16 x 8 rollouts, 48 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
+    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and the
+    # next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
+    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps the
+    # budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the 300
+    # held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96), not the
+    # trained model's (its answers are short): read a gain with the budget it was measured at.
+    prompts_per_step: int = 16  # B: prompts per step (across all ranks)
+    group_size: int = 8  # G: completions per prompt
+    max_new_tokens: int = 48  # L_max: completion budget in tokens
+    eval_max_new_tokens: int = 64  # evaluations decode max(this, max_new_tokens) tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
-    # ICL seeding (XRPO §3.2, App. C)
+    # hierarchical rollout planning (XRPO §3.2): a step samples B×G rollouts in all, as grpo.py does; G is the mean
+    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (§4.1: 4; >= 3 advised, >= 2 required)
+    rounds: int = 2  # N_plan: rounds that split the other B×(G - n_base) rollouts (§4.1: 2)
+    # proportional: T·Π/ΣΠ, largest remainder; greedy: one unit at a time to the highest Π (eq. 3); uniform: T/B each,
+    # the "w/o HRP" ablation (Table 5), which keeps the rounds, so ICL still seeds and AS still sharpens
+    alloc: str = "proportional"
+    alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (Table 4b)
+    alloc_conf: float = 0.95  # confidence level of the t-interval behind Δ (our reading of Table 4b's "α" column)
+    # ICL seeding (XRPO §3.2, App. C); --no-icl is the "w/o ICL" ablation (Table 5)
     icl: bool = True  # sample a prompt with no correct rollout yet from an in-context prompt of solved neighbours
-    icl_shots: int = 2  # K: verified solutions of similar other problems shown
-    icl_max_len: int = 1024  # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192)
-    icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent
-    # novelty-guided advantage sharpening (XRPO §3.3, eq. 6)
-    nov_lambda: float = 2.5  # λ_nov: bonus strength; 0 = off
-    nov_kappa: float = 0.5  # κ: a bonus is at most κ times the rollout's advantage
+    icl_shots: int = 2  # K: verified solutions of similar other problems shown (§4.1: 2)
+    # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192, its prompt window). Two exemplars
+    # with answers of at most max_new_tokens = 48 tokens make at most ~220 tokens: at 256 none is cut (none was in the
+    # paper either, App. D)
+    icl_max_len: int = 256
+    icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent (our choice: the paper never prunes)
+    # C_init (Alg. 1, §4.2): training problems the base model samples n_base times before step 1, its correct answers
+    # seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training and
+    # changes only step 1, since step 1's own correct rollouts fill the corpus for step 2 on
+    icl_init: int = 0
+    # novelty-guided advantage sharpening (XRPO §3.3, eq. 6); --nov-lambda 0 is the "w/o AS" ablation (Table 5)
+    nov_lambda: float = 2.5  # λ_nov: bonus strength (§4.1); 0 = off
+    nov_kappa: float = 0.5  # κ: a bonus is at most κ times the rollout's advantage (§4.1)
     nov_all_correct: bool = False  # our option: all-correct groups (A = 0) get bonuses too, capped at κ
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
@@ -90,12 +115,12 @@ class Config:
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
     tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
-    kl_coef: float = 0.001  # β: KL to the initial model (XRPO §4.1; k3 estimator: ours); 0 loads no reference
+    kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model (paper: 0.001, §4.1)
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
-    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
@@ -110,13 +135,13 @@ class Config:
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
-    eval_size: int = 100  # held-out problems per evaluation
+    eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
     eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
-               "alloc": ["proportional", "greedy"]}
+               "alloc": ["proportional", "greedy", "uniform"]}
 
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
@@ -147,6 +172,7 @@ def validate(cfg: Config):
           "a positive number of rounds (or 0 with base_rollouts = group_size: no dynamic budget)")
     check(cfg.alloc_lambda >= 0 and 0 < cfg.alloc_conf < 1, "alloc_lambda/alloc_conf", "λ >= 0 and a level in (0, 1)")
     check(cfg.icl_shots >= 0 and cfg.icl_per_problem > 0, "icl_shots/icl_per_problem", "K >= 0 and a positive cap")
+    check(cfg.icl_init >= 0 and cfg.icl_init % dist.world() == 0, "icl_init", f"0 or a multiple of the world size {dist.world()}")
     check(cfg.nov_lambda >= 0 and cfg.nov_kappa >= 0, "nov_lambda/nov_kappa", "non-negative numbers")
     check(cfg.prompts_per_step // dist.world() * cfg.base_rollouts >= cfg.mini_batches, "mini_batches",
           "at most the fewest completions a step can give a rank (prompts_per_step / world * base_rollouts)")
@@ -274,22 +300,23 @@ def priorities(rewards: list[list[float]], round_budget: int, lam: float, conf: 
     return out
 
 
-def allocate(rewards: list[list[float]], budget: int, lam: float, conf: float, greedy: bool = False) -> list[int]:
+def allocate(rewards: list[list[float]], budget: int, lam: float, conf: float, mode: str = "proportional") -> list[int]:
     """Split one round's `budget` rollouts over the prompts (§3.2), given each prompt's rewards so far.
 
     proportional (default): shares T·Π_q/ΣΠ, made integers by largest remainder (our choice: the paper only says
       "in proportion to its current priority score"): floors first, then the leftover units to the largest
       fractional parts, ties to the higher Π, then the lower prompt index. The sum is exactly T.
     greedy: one unit at a time to the highest Π, recomputed with n_q + 1 after each unit (eq. 3 read as "the
-      priority for the next rollout"); ties to the lower index."""
+      priority for the next rollout"); ties to the lower index.
+    uniform: T/B each, the leftover units to the lowest indices (the "w/o HRP" ablation, Table 5)."""
     B = len(rewards)
-    if greedy:
+    if mode == "greedy":
         got = [0] * B
         for _ in range(budget):
             pri = priorities(rewards, budget, lam, conf, extra=got)
             got[max(range(B), key=lambda q: (pri[q], -q))] += 1
         return got
-    pri = priorities(rewards, budget, lam, conf)
+    pri = priorities(rewards, budget, lam, conf) if mode == "proportional" else [1.0] * B
     total = sum(pri)
     # our choice: with λ = 0 and no prompt varying, nothing ranks the prompts: split evenly
     shares = [budget * p / total for p in pri] if total > 0 else [budget / B] * B
@@ -310,10 +337,8 @@ def round_budgets(dynamic: int, rounds: int) -> list[int]:
 
 # ---------------------------------------------------------------------- ICL seeding (XRPO §3.2, App. C)
 
-# The layout and tags of App. C; the wording is ours.
-ICL_TASK = ("Below are worked examples, each a <problem> with its <solution>. Work out the general strategy they "
-            "use, reason through the new problem with it, and write out a detailed solution. "
-            "Put your final answer within \\boxed{}.")
+# The layout and tags of App. C; the wording is ours, and short: at our scale every token of it is paid in each forward
+ICL_TASK = "Solve the new problem the way the worked examples solve theirs. Put your final answer within \\boxed{}."
 
 
 def icl_question(problem: str, exemplars: list[tuple[str, str]]) -> str:
@@ -435,6 +460,35 @@ class Corpus:
         self.vectors = dict(state["vectors"])
 
 
+def embed_statements(corpus, initial, statements: list[str], cfg, tok, device):
+    """The neighbour index (§4.1: precomputed over the training set): the statements a run will draw, embedded by the
+    initial weights before the first update, so no frozen copy is held through the run; the same vectors as embedding
+    the whole training set at start, for only the problems the run visits. initial: the model while it still holds
+    the initial weights, or None (a resumed run), which loads them for this alone."""
+    if any(p not in corpus.vectors for p in statements):
+        corpus.embed_new(initial or Transformer.from_pretrained(cfg.model, device=device), tok, statements)
+
+
+def initial_problems(train, cfg) -> list:
+    """C_init's problems (Alg. 1): the first icl_init of a permutation of the training set drawn with its own seed
+    (our choice: the paper does not say which problems its baseline sampled)."""
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed * 7919 + 1_000_003))
+    return [train[int(i)] for i in order[:cfg.icl_init]]
+
+
+def seed_corpus(rollout, tok, problems, corpus, cfg, seed, autocast):
+    """C_init (Alg. 1, §4.2: the corpus "grows from baseline-correct solutions"): n_base samples of each problem from
+    the base model, plain prompts; the correct ones join the corpus. Every rank samples its share."""
+    mine = dist.shard(problems)
+    with torch.no_grad(), autocast:
+        groups = generate(rollout, [tok.prompt(format_question(p)) for p in mine], n=cfg.base_rollouts,
+                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                          stop_ids=tok.stop_ids, seed=seed)
+    rows = [(p, tok.decode(s.tokens, skip_special=True)) for p, g in zip(mine, groups) for s in g]
+    update_corpus(corpus, gather([p.prompt for p, _ in rows]), gather([t for _, t in rows]),
+                  gather([score(t, p.answer) for p, t in rows]))
+
+
 # ---------------------------------------------------- novelty-guided advantage sharpening (XRPO §3.3, eqs 4-6)
 
 def sequence_scores(token_logp: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -491,11 +545,11 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids)
     budgets = round_budgets(B * dist.world() * (cfg.group_size - cfg.base_rollouts), cfg.rounds)
     plan, round_ctx = [cfg.base_rollouts] * B, [(c, False) for c in contexts]  # the base round: plain prompts
-    ctxs, gens, texts, correct, icl = [], [], [], [], []
+    chunks = [[] for _ in range(B)]  # each prompt's (context, samples, texts, scores, is_icl), round after round
     so_far = [[] for _ in range(B)]  # each prompt's 0/1 scores so far this step
     for r in range(len(budgets) + 1):
         if r > 0:  # our choice: the allocator reads the verifier's 0/1, not the optional format term
-            plan = allocate(gather(so_far), budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, cfg.alloc == "greedy")
+            plan = allocate(gather(so_far), budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, cfg.alloc)
             plan = plan[dist.rank() * B:(dist.rank() + 1) * B]  # this rank's prompts (gather is rank after rank)
             round_ctx = round_contexts(tok, [p.prompt for p in problems], contexts, so_far, plan, corpus,
                                        cfg.icl_shots, cfg.icl_max_len, icl=cfg.icl)
@@ -505,10 +559,14 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
             ts = [tok.decode(s.tokens, skip_special=True) for s in g]
             cs = [score(t, answers[q]) for t in ts]
             so_far[q] += cs
-            texts, correct, icl = texts + ts, correct + cs, icl + [is_icl] * len(g)
-        ctxs, gens = ctxs + [c for c, _ in round_ctx], gens + groups
-    b = to_batch(ctxs, gens, answers * (len(budgets) + 1), group_ids=list(range(B)) * (len(budgets) + 1))
-    return b, texts, torch.tensor(correct), torch.tensor(icl, dtype=torch.bool), [len(s) for s in so_far]
+            chunks[q].append((c, g, ts, cs, is_icl))
+    # prompt after prompt, each prompt's rounds side by side: a micro-batch of the update then holds few distinct
+    # contexts, and each distinct context goes through its forward once
+    flat = [(q, *chunk) for q in range(B) for chunk in chunks[q]]  # (q, context, samples, texts, scores, is_icl)
+    b = to_batch([f[1] for f in flat], [f[2] for f in flat], [answers[f[0]] for f in flat], [f[0] for f in flat])
+    correct = torch.tensor([c for f in flat for c in f[4]])
+    icl = torch.tensor([f[5] for f in flat for _ in f[2]], dtype=torch.bool)
+    return b, [t for f in flat for t in f[3]], correct, icl, [len(s) for s in so_far]
 
 
 def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corpus) -> dict:
@@ -551,13 +609,48 @@ XRPO_SUMS = ("xrpo/seeded_prompts", "xrpo/seeded_solved", "xrpo/icl_rollouts", "
 XRPO_MAXES = ("xrpo/rollouts_max",)
 
 
+# -------------------------------------------------------------------------------------------- loss
+
+def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
+    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
+    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    return policy_loss(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+                       entropy=entropy, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap or None, **kw)
+
+
+def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
+    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    old_logp = old_logp.detach()
+    if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
+        log_ratio = logp - old_logp
+    else:  # GSPO §4 (GSPO-token): every token of completion i takes s_i = exp(mean log-ratio), gradient s_i ∇log π_θ
+        n_seq = int(seq_ids.max()) + 1
+        seq_sum = logp.new_zeros(n_seq).index_add_(0, seq_ids, (logp - old_logp).detach())
+        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids] + logp - logp.detach()
+    ratio = log_ratio.exp()
+    # the clipped surrogate (PPO eq. 7) per token, as GRPO's objective (arXiv 2402.03300 §4.1.1, eq. 3), with DAPO's
+    # clip-higher (arXiv 2503.14476 §3.1): ε_high > ε_low leaves an unlikely token more room to rise
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = loss * weights
+    if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
+        loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
+    if ref_logp is not None:  # k3 estimate of KL(π_θ || π_ref), GRPO eq. 4; the clamp keeps exp() finite
+        x = (ref_logp - logp).clamp(-10, 10)
+        loss = loss + cfg.kl_coef * (x.exp() - x - 1)
+    loss = loss - cfg.entropy_coef * entropy  # the entropy bonus
+    ratio = ratio.detach()
+    return loss, (ratio < 1 - cfg.eps_low) & (adv < 0), (ratio > 1 + cfg.eps_high) & (adv > 0)
+
+
 # ------------------------------------------------------------------------------------------ update
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
     (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    token_loss (weights, ...). Returns summed diagnostics."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
@@ -588,12 +681,11 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
                         extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
                     if cfg.tis_cap:
-                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                        extra["sampler_logp"] = b.sampler_logp[tok].to(device)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
-                    loss_tok, clip_low, clip_high = policy_loss(
-                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    loss_tok, clip_low, clip_high = token_loss(logp, old, tok_adv[tok].to(device), entropy, cfg,
+                                                               ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
                 with torch.no_grad():  # diagnostics
@@ -707,14 +799,14 @@ def main(argv=None):
     ref_model = None
     if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
-    # XRPO's state: the corpus of verified solutions (kept in the checkpoint), and the frozen initial weights that
-    # embed problem statements for the neighbour search (the reference model's, when there is one)
+    # XRPO's state: the corpus of verified solutions and the problem statements' embeddings (both in the checkpoint)
     corpus = Corpus(per_problem=cfg.icl_per_problem)
     if state is not None:
         corpus.load_state_dict(state["extra"]["xrpo_corpus"])
-    embedder = None
+    seeded = initial_problems(train, cfg) if state is None else []  # C_init's problems (Alg. 1), sampled below
     if cfg.icl:
-        embedder = ref_model or Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
+        run = step_prompts(train, 1, cfg.steps * cfg.prompts_per_step, cfg.seed)  # every problem this run draws
+        embed_statements(corpus, None if ckpt else model, [p.prompt for p in run + seeded], cfg, tok, device)
     # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
     # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
@@ -743,16 +835,15 @@ def main(argv=None):
             first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
         first_acc = first["eval/greedy_acc"]
         log.log(0, first)
+    if seeded:  # C_init: the base model's correct samples seed the corpus before the first update
+        seed_corpus(rollout, tok, seeded, corpus, cfg, cfg.seed * 1_000_003 + dist.rank(), autocast)
 
     for step in range(start_step + 1, cfg.steps + 1):
         # ---- 1. sample (XRPO Alg. 1): n_base rollouts of each of this rank's prompts, then rounds that spend the
         # rest of the B×G budget by priority, seeding prompts with no correct rollout yet with solved neighbours
         t0 = time.time()
-        everyone = step_prompts(train, step, cfg.prompts_per_step, cfg.seed)
-        problems = dist.shard(everyone)
+        problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
         contexts = [tok.prompt(format_question(p)) for p in problems]
-        if embedder is not None:  # every rank embeds the whole batch: all ranks keep the same corpus
-            corpus.embed_new(embedder, tok, [p.prompt for p in everyone])
         b, texts, correct, icl, per_prompt = sample_rounds(rollout, tok, problems, contexts, corpus, cfg,
                                                            cfg.seed * 1_000_003 + step * 1009 + dist.rank(), autocast)
         t_sample = time.time()
@@ -770,7 +861,7 @@ def main(argv=None):
         # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
         # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
         old_logp = ref_logp = None
-        if cfg.epochs * cfg.mini_batches > 1 or cfg.nov_lambda > 0:  # XRPO: the novelty score s(y) reads π_old
+        if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         if ref_model is not None:
             ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -779,11 +870,13 @@ def main(argv=None):
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
         # XRPO §3.3: a correct rollout that the policy finds less likely than its group does on average gains a
-        # bonus. s(y) (eq. 4) from the trainer's π_old, in the context trained with (our choice: eq. 4 writes π_θ,
-        # which equals π_old before the update; the sampler's log-probs would be noisier)
+        # bonus; s(y) (eq. 4) in the context it is trained with, from π_old (eq. 4's π_θ before the update). Our
+        # choice: the scoring pass's log-probs when the step makes one (μ·M > 1), else the sampler's: in fp32 the
+        # sampler is the same weights (policy/sampler_logp_diff is the rounding), and no second forward is paid
         bonus = torch.zeros_like(adv)
         if cfg.nov_lambda > 0:
-            adv, bonus = sharpen(adv, correct[keep], sequence_scores(old_logp, b.lengths), b.group, cfg.nov_lambda,
+            score_logp = b.sampler_logp if old_logp is None else old_logp
+            adv, bonus = sharpen(adv, correct[keep], sequence_scores(score_logp, b.lengths), b.group, cfg.nov_lambda,
                                  cfg.nov_kappa, cfg.nov_all_correct)
         # Alg. 1 line 18: the step's correct rollouts join the corpus (every rank's: the corpus stays one)
         update_corpus(corpus, gather([problems[q].prompt for q in b_all.group]), gather(texts),

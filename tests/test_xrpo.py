@@ -59,7 +59,7 @@ def test_3_magnitudes():
 @pytest.mark.parametrize("greedy", [False, True])
 def test_4_equal_prompts_share_evenly(greedy):
     for B, T in [(8, 16), (5, 13), (3, 2), (16, 32)]:
-        got = xrpo.allocate([[1, 0, 0, 1]] * B, T, 0.1, 0.95, greedy=greedy)
+        got = xrpo.allocate([[1, 0, 0, 1]] * B, T, 0.1, 0.95, "greedy" if greedy else "proportional")
         assert sum(got) == T and max(got) - min(got) <= 1
 
 
@@ -70,7 +70,7 @@ def test_5_integer_budget_and_monotone_in_std(greedy):
         B, n, T = rng.randint(1, 10), rng.randint(2, 8), rng.randint(0, 40)
         rewards = [[float(rng.random() < rng.random()) for _ in range(n)] for _ in range(B)]
         lam = rng.choice([0.0, 0.1, 0.5])
-        got = xrpo.allocate(rewards, T, lam, 0.95, greedy=greedy)
+        got = xrpo.allocate(rewards, T, lam, 0.95, "greedy" if greedy else "proportional")
         assert all(isinstance(g, int) and g >= 0 for g in got) and sum(got) == T
         std = [torch.tensor(r).std().item() for r in rewards]
         for a in range(B):
@@ -87,7 +87,7 @@ def test_5_uneven_when_stds_differ():
 def test_6_lambda_zero_and_positive():
     rewards = [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 1]]
     for greedy in (False, True):
-        got = xrpo.allocate(rewards, 13, 0.0, 0.95, greedy=greedy)
+        got = xrpo.allocate(rewards, 13, 0.0, 0.95, "greedy" if greedy else "proportional")
         assert got[1] == 0 and got[2] == 0 and sum(got) == 13
     assert all(p > 0 for p in xrpo.priorities(rewards, 13, 0.1, 0.95))  # every raw share T·Π/ΣΠ > 0
     assert xrpo.allocate([[0, 0, 0]] * 4, 6, 0.0, 0.95) in ([2, 2, 1, 1],)  # nothing ranks them: even split
@@ -172,7 +172,7 @@ def test_7_truncation_keeps_head_and_answer(tok):
     assert full > 300 and len(ids) <= 300
     text = tok.decode(ids)
     assert text.count("<example id=") == 2 and text.count("\\boxed{17}") == 2  # both kept, both shortened
-    one = tok.decode(xrpo.icl_prompt(tok, "NEW", shots, max_len=180))
+    one = tok.decode(xrpo.icl_prompt(tok, "NEW", shots, max_len=150))
     assert one.count("<example id=") == 1  # too tight for two: the second is dropped
     assert xrpo.icl_prompt(tok, "NEW", shots, max_len=60) is None  # nothing fits: the caller uses the plain prompt
 
@@ -455,3 +455,75 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatc
         run_main(xrpo, tmp_path, monkeypatch, "--model", str(tiny_model_dir), "--run-name", "bad",
                  "--train-size", "20", "--eval-size", "2", *args)
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------- what the update receives, and the paper's ablations
+
+def spy_on_update(monkeypatch):
+    """Records the batch and the advantages every call of xrpo.update receives, then runs the real update."""
+    calls, real = [], xrpo.update
+
+    def spy(policy, model, optimizer, b, adv, *args, **kw):
+        calls.append((b, adv.clone()))
+        return real(policy, model, optimizer, b, adv, *args, **kw)
+    monkeypatch.setattr(xrpo, "update", spy)
+    return calls
+
+
+def test_update_receives_the_sharpened_advantages(tmp_path, monkeypatch, digit_model_dir):
+    """The advantages `update` gets are eq. 6's A⁺, recomputed here from what the update sees: the batch's rewards
+    (verifier), group advantages, and s(y) from the sampler's log-probs. Catches the sharpened advantages being
+    dropped before `update` (bonuses are paid, so plain A differs) and s(y) read from anything else."""
+    from common.verifier import score
+    calls = spy_on_update(monkeypatch)
+    tok = Tokenizer.from_pretrained(digit_model_dir)
+    run_main(xrpo, tmp_path, monkeypatch, *digit_args(digit_model_dir, tmp_path), "--steps", "3", "--run-name", "spy",
+             "--base-rollouts", "3")
+    assert len(calls) == 3
+    paid = 0
+    for b, adv in calls:
+        correct = torch.tensor([score(tok.decode(t, skip_special=True), a) for t, a in zip(b.tokens, b.answer)])
+        plain = xrpo.group_advantages(correct, b.group, "std")
+        new, bonus = xrpo.sharpen(plain, correct, xrpo.sequence_scores(b.sampler_logp, b.lengths), b.group,
+                                  2.5, 0.5)
+        torch.testing.assert_close(adv, new, rtol=0, atol=1e-6)
+        paid += int((bonus > 0).sum())
+    assert paid > 0
+
+
+def test_uniform_allocation_splits_evenly():
+    rewards = [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert xrpo.allocate(rewards, 16, 0.1, 0.95) != [4, 4, 4, 4]  # the planner would not
+    assert xrpo.allocate(rewards, 16, 0.1, 0.95, "uniform") == [4, 4, 4, 4]
+    assert xrpo.allocate(rewards, 14, 0.1, 0.95, "uniform") == [4, 4, 3, 3]
+
+
+@pytest.mark.parametrize("ablation", ["--alloc uniform", "--no-icl"])
+def test_ablations_switch_off_one_mechanism_each(tmp_path, monkeypatch, digit_model_dir, ablation):
+    """Table 5's "w/o HRP" keeps the rounds (so ICL still seeds) with G rollouts for every prompt; "w/o ICL" keeps the
+    uneven plan and never seeds. Catches --alloc uniform falling back to the planner or dropping the rounds (and
+    with them ICL), and --no-icl seeding anyway."""
+    run_main(xrpo, tmp_path, monkeypatch, *digit_args(digit_model_dir, tmp_path), "--steps", "4", "--run-name", "abl",
+             "--base-rollouts", "2", *ablation.split())
+    rows = [r for r in rows_of(tmp_path, "abl") if "reward/mean" in r]
+    uneven = any(r["xrpo/rollouts_max"] > r["xrpo/rollouts_min"] for r in rows)
+    seeded = sum(r["xrpo/seeded_prompts"] for r in rows)
+    if ablation == "--no-icl":
+        assert uneven and seeded == 0
+    else:
+        assert not uneven and all(r["xrpo/rollouts_max"] == 6 for r in rows) and seeded > 0
+    assert any((r["xrpo/bonus_share"] or 0) > 0 for r in rows)  # AS still acts
+
+
+def test_icl_init_seeds_the_corpus_before_step_1(tmp_path, monkeypatch, digit_model_dir):
+    """--icl-init N: the base model's correct answers to N training problems fill the corpus before the first
+    update (Alg. 1's C_init), so step 1 can already seed; without it the corpus starts empty and step 1 cannot.
+    Catches the option being ignored."""
+    args = digit_args(digit_model_dir, tmp_path) + ["--steps", "1", "--base-rollouts", "3"]
+    run_main(xrpo, tmp_path, monkeypatch, *args, "--run-name", "init", "--icl-init", "12")
+    run_main(xrpo, tmp_path, monkeypatch, *args, "--run-name", "empty")
+    init, empty = (next(r for r in rows_of(tmp_path, n) if "reward/mean" in r) for n in ("init", "empty"))
+    assert empty["xrpo/seeded_prompts"] == 0 and init["xrpo/seeded_prompts"] > 0
+    state = torch.load(tmp_path / "runs" / "init" / "checkpoint" / "trainer.pt", weights_only=False)
+    step_1 = init["reward/acc"] * init["xrpo/rollouts_mean"] * 4  # correct rollouts of step 1
+    assert sum(len(v) for v in state["extra"]["xrpo_corpus"]["solutions"].values()) > step_1
