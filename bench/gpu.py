@@ -5,7 +5,8 @@ On a lent GPU machine (the device tool: one call, at most 10 minutes; this scrip
 
     run(command="PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT/gpu", timeout_s=600)
 
-then commit its results.json and results.md under bench/results/<device>-<date>/. Elsewhere:
+The machine's start takes 1-2 of a session's 15 device minutes and this run about 9.5: one try, then give_back.
+Commit the results.json and results.md it brings back under bench/results/<device>-<date>/. Elsewhere:
 
     python bench/gpu.py --out bench/results/h100-2026-12-01     # any machine with one CUDA GPU
     python bench/gpu.py --cpu-tiny --out /tmp/gpu-tiny           # every part at tiny shapes on a CPU (< 1 min)
@@ -254,13 +255,14 @@ def part_ceilings(p, dev, s):
 # ---------------------------------------------------------------------------------------- 2 sampler
 
 def generate_floor(cfg, weight_bytes, B, P, new, copy, rate, elem=2):
-    """Seconds no implementation can beat for one generate call: the prefill's FLOPs over the matmul rate, then per
-    decode step the larger of bytes over the copy rate and FLOPs over the matmul rate. A step's bytes: every weight
-    once (the tied matrix once, read as the LM head) + the KV cache it reads (k and v of every earlier token, each
-    row and layer); the logits and the sampling's [B, vocab] temporaries are not counted, nor any cache write."""
+    """(seconds, seconds per decode step) no implementation can beat for one generate call: for the prefill and then
+    for each decode step, the larger of bytes over the copy rate and FLOPs over the matmul rate. Bytes counted: every
+    weight once per forward (the tied matrix once, read as the LM head) + the KV cache a step reads (k and v of every
+    earlier token, each row and layer); the logits and the sampling's [B, vocab] temporaries are not counted, nor any
+    cache write. FLOPs: 2 per matmul weight per token (the prefill's LM head at one position) + attention's."""
     body, head = matmul_params(cfg)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * B
-    prefill = (2 * (body * P + head) * B + attention_flops(cfg, B * P * (P + 1) / 2)) / rate
+    prefill = max(weight_bytes / copy, (2 * (body * P + head) * B + attention_flops(cfg, B * P * (P + 1) / 2)) / rate)
     steps = 0.0
     for t in range(new):
         ctx = P + t
@@ -288,13 +290,14 @@ def sampler_variants(ours, hf, prompts, new, dev):
     def ours_call(n_new, compile=False):
         return lambda: generate(ours, prompts, max_new_tokens=n_new, temperature=1.0, stop_ids=(), seed=0,
                                 compile=compile)
+    def hf_call(n_new):
+        return lambda: hf_generate(hf, prompts, 1, n_new, True, (), 0, 0, True)
+    # the CUDA-graph path last: if its compilation outlasts the part's cap, the other two are measured already
     variants = {"ours eager": (ours_call(min(8, new)), ours_call(new))}
+    if hf is not None:
+        variants["transformers"] = (hf_call(min(8, new)), hf_call(new))
     if dev.type == "cuda":
         variants["ours CUDA graphs"] = (ours_call(new, True), ours_call(new, True))
-    if hf is not None:
-        def hf_call(n_new):
-            return lambda: hf_generate(hf, prompts, 1, n_new, True, (), 0, 0, True)
-        variants["transformers"] = (hf_call(min(8, new)), hf_call(new))
     return variants
 
 

@@ -62,6 +62,18 @@ def test_a_part_skips_what_no_longer_fits(tmp_path):
     assert skip["what"] == "ours CUDA graphs B=1" and skip["why"].startswith("time cap: ")
 
 
+def test_a_failed_measurement_is_recorded_and_the_part_goes_on(tmp_path):
+    """An exception in one measurement (a compile error, an out-of-memory) becomes a note, not the part's end."""
+    part = gpu.Part("train", tmp_path, time.time() + 60, tiny=True)
+    with part.attempt("train 1.5b") as failed:
+        raise RuntimeError("boom\nsecond line")
+    part.row(model="0.5b")
+    assert failed == ["RuntimeError"]
+    saved = json.loads((tmp_path / ".part-train.json").read_text())
+    assert saved["skipped"] == [{"what": "train 1.5b", "why": "error: RuntimeError: boom"}]
+    assert saved["rows"] == [{"model": "0.5b"}]
+
+
 def test_a_part_stopped_or_crashed_keeps_its_rows(tmp_path):
     """A part killed at its cap (or dead of a crash) keeps the rows it saved, with a status that says so; the kill
     reaches the whole process group (fails if run_capped waits for the child)."""
@@ -86,3 +98,21 @@ def test_goals_are_read_off_the_rows():
     assert "largest batch, ours (ours CUDA graphs) >= 5x transformers: 6, met" in lines[0]
     assert lines[1].endswith("0.4, missed") and lines[2].endswith("0.65, met") and lines[3].endswith("0.35, missed")
     assert lines[4].endswith("not measured") and lines[5].endswith("not run")
+
+
+def test_flop_and_byte_counts_by_hand():
+    """The MFU's FLOPs and the roofline's bytes at the tiny 0.5b shapes (2 layers, d 64, 4 heads of 16, 2 kv heads,
+    MLP 128, vocabulary 512), counted by hand. Fails if attention's backward (x3), the LM head only at the loss tokens,
+    the packed mask's keys or the KV cache's growth per step are miscounted."""
+    cfg = gpu.model_config("0.5b", tiny=True)
+    assert gpu.matmul_params(cfg) == (2 * (64 * 16 * (4 + 4 + 2 + 2) + 3 * 64 * 128), 512 * 64)
+    # 2 rows, each 15 prompt tokens + 4 segments of 21 (the last prompt token, then 20 completion tokens):
+    # keys seen per row: 1 + ... + 15 in the prompt, then 15 + j at the j-th token of each segment
+    keys = 2 * (sum(range(1, 16)) + 4 * sum(15 + j for j in range(1, 22)))
+    flops = 6 * 73728 * 198 + 6 * 32768 * 160 + 3 * 4 * 2 * 4 * 16 * keys
+    assert gpu.train_flops(cfg, gpu.train_batch(cfg, gpu.SHAPES["cpu-tiny"])) == (flops, 198, 160)
+    # bandwidth-bound (1 byte/s, infinite FLOP/s), batch 2, prompt 8, 4 new tokens: the prefill reads the 1000 weight
+    # bytes once, each step reads them again plus k and v of 8, 9, 10, 11 tokens (2 layers x 2 kv heads x 16 x 2 bytes)
+    kv = 2 * 2 * 2 * 16 * 2 * 2
+    steps = 4 * 1000 + kv * (8 + 9 + 10 + 11)
+    assert gpu.generate_floor(cfg, 1000, 2, 8, 4, 1.0, float("inf"), 2) == (1000 + steps, steps / 4)
