@@ -1,10 +1,14 @@
-"""ExGRPO: learning to reason from experience (arXiv 2510.02245). GRPO in its Dr. GRPO form, plus a replay buffer
-of the policy's own successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
+"""ExGRPO: learning to reason from experience (arXiv 2510.02245). grpo.py plus a replay buffer of the policy's own
+successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
 
     python exgrpo.py                                 # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
     python exgrpo.py --steps 2 --run-name smoke      # any option: python exgrpo.py --help
     python exgrpo.py --run-name NAME --resume        # continue a run from its last checkpoint (buffer included)
-    torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task math500 ...   # see README
+    torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task openr1_math.jsonl \
+        --prompts-per-step 128 --mini-batches 2 --max-new-tokens 8192 --temperature 1.0 --start-acc 0.35 \
+        --adv-norm none --loss-agg seq-mean-token-sum-norm --eps-high 0.2 --entropy-coef 0.001 --skip-grad-norm 500 \
+        --lr 1e-6 --warmup-steps 0 --decay-steps 0 --weight-decay 0.01 --adam-beta2 0.999 --steps 700 --fsdp
+                                                     # the paper's setting (§5.1, App. D, Table 4)
 
 One step (ExGRPO §4, Alg. 1): once the batch accuracy has passed a threshold (the delayed start), every correct
 rollout of a partially solved question goes into the buffer with the trainer's log-probs at collection time.
@@ -13,14 +17,17 @@ k (a Gaussian preference for k = K/2), and its stored trajectory with the lowest
 current policy is replayed as one member of a group of K whose other K - 1 members are fresh samples. Fresh tokens
 get the plain ratio objective (unclipped once replay has started), replayed tokens -A f(w) with w the ratio to the
 collecting policy and f(w) = w / (w + β) (§4.2, eq. 4). Questions solved by all K rollouts are retired for good.
-Host (§3.1, App. D): Dr. GRPO advantages (r - group mean), a constant normaliser, no KL, an entropy bonus of 0.001.
+The paper's host is Dr. GRPO (r - group mean, a constant normaliser) with no KL and an entropy bonus of 0.001
+(§3.1, App. D); here the host is grpo.py's defaults, so that the two files compare on equal terms.
+Table 6's ablations are switches: --no-is-correction, --no-policy-shaping, --shaping-beta, --trajectory-choice,
+--bucket-weighting question.
 
 Under torchrun each rank owns the questions whose index is its rank modulo the world size: it draws its fresh
 questions from them only, and keeps their buffer, buckets and retired set; nothing about the buffer crosses ranks.
 
 Left out on purpose: the paper's dataset, prompt template and Math-Verify reward (we keep the project's tasks and
 verifier), re-adding retired questions (an ablation, App. E), and the `linear_clip` bucket weighting of the
-authors' code. GRPO options (clip-higher, KL, GSPO, TIS) still work but are not part of ExGRPO.
+authors' code. GRPO options (KL, GSPO, TIS) still work but are not part of ExGRPO.
 """
 import copy
 import math
@@ -55,41 +62,52 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 40  # problems generated for arith (ignored for data files); small, so questions come back
+    train_size: int = 64  # problems generated for arith (ignored for data files); 64: 16 x 15 draws see each ~4 times
     # rollouts
     steps: int = 15  # training steps
-    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    # The CPU defaults below (16 x 8 rollouts, 48 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
+    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and the
+    # next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
+    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps the
+    # budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the 300
+    # held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96), not the
+    # trained model's (its answers are short): read a gain with the budget it was measured at.
+    prompts_per_step: int = 16  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
-    max_new_tokens: int = 96  # L_max: completion budget in tokens
-    eval_max_new_tokens: int = 0  # evaluations decode max(this, max_new_tokens) tokens
+    max_new_tokens: int = 48  # L_max: completion budget in tokens
+    eval_max_new_tokens: int = 64  # evaluations decode max(this, max_new_tokens) tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # advantages and loss
-    adv_norm: str = "none"  # std (GRPO) or none (Dr. GRPO, as ExGRPO §3.1): divide centred rewards by their std?
-    # deviation: Dr. GRPO's Σ ℓ / (sequences x L_max); the authors' code divides by (ranks x L_max), a constant
-    # factor apart, which only changes what the clip at max_grad_norm and the skip bound see
-    loss_agg: str = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO)
-    eps_low: float = 0.2  # clip ratio below 1 - eps_low, until replay starts (then fresh tokens are unclipped)
-    eps_high: float = 0.2  # clip ratio above 1 + eps_high, until replay starts (ExGRPO's code clips to [0.8, 1.2])
+    adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std? (paper: none)
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (paper: the last)
+    eps_low: float = 0.2  # clip ratio below 1 - eps_low (fresh tokens are unclipped once replay has started)
+    eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher; paper: 0.2, before replay starts)
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
     tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
-    # deviation: the bonus is aggregated like the surrogate (Σ / (sequences x L_max)), not as a token mean
-    entropy_coef: float = 0.001  # entropy bonus: the loss subtracts this times the token entropy (ExGRPO App. D)
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy (paper: 0.001)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
-    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
-    # experience replay (ExGRPO §4)
+    micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
+    # experience replay (ExGRPO §4); the options marked "Table 6" rerun the paper's ablations (ExGRPO Table 6)
     replay_ratio: float = 0.5  # ρ: up to ⌊ρB⌋ of each step's B questions come from the buffer (0 = never replay)
-    # our choice: 0.15, not the paper's 0.35 (set for 7B math models). Untrained SmolLM2 averages 0.11 batch accuracy on
-    # arith at T = 0.8 (6 batches of 8 x 8, from 0.05 to 0.20): 0.15 mostly waits for the first learning, and leaves
-    # most of a 15-step CPU run to replay
+    # our choice: 0.15, not the paper's 0.35 (set for 7B math models): untrained SmolLM2's batch accuracy on arith at
+    # T = 0.8 and 48 tokens is 0.05-0.15 (mean 0.09 over 6 batches of 16 x 8), so replay waits for the first learning
     start_acc: float = 0.15  # delayed start: replay begins after a step with batch accuracy above this (< 0: at once)
-    bucket_weighting: str = "normal"  # preferred success counts k: normal, normal-acc (in k/K), linear, sqrt, uniform
+    # preferred success counts k: normal, normal-acc (in k/K), linear, sqrt, uniform (over buckets); question: every
+    # stored question alike, whatever its bucket (Table 6 "w/o question selection")
+    bucket_weighting: str = "normal"
     bucket_sigma: float = 1.0  # σ of the normal weightings (success-count units; accuracy units for normal-acc)
-    trajectory_score: str = "mean"  # replay the stored trajectory of lowest mean (or sum) token entropy at T = 1
+    # which stored trajectory of a drawn question replays: lowest-entropy (the paper's), highest-entropy or random
+    # (Table 6 "highest-entropy trajectory" and "w/o trajectory selection")
+    trajectory_choice: str = "lowest-entropy"
+    trajectory_score: str = "mean"  # the entropy of a trajectory: the mean (or sum) of its token entropies at T = 1
+    policy_shaping: bool = True  # replayed tokens: -A f(w); off: the fresh tokens' objective (Table 6 "w/o shaping")
+    shaping_beta: float = 0.1  # β of the shaping f(w) = w / (w + β) (ExGRPO §4.2; the paper's 0.1)
+    is_correction: bool = True  # w = π_θ / π_past (collector); off: π_θ / π_θold (Table 6 "w/o IS correction")
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
@@ -98,24 +116,26 @@ class Config:
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
     max_grad_norm: float = 1.0  # gradient clipping
-    skip_grad_norm: float = 500.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
+    skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
-    eval_size: int = 100  # held-out problems per evaluation
+    eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
     eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
-               "bucket_weighting": ["normal", "normal-acc", "linear", "sqrt", "uniform"],
+               "bucket_weighting": ["normal", "normal-acc", "linear", "sqrt", "uniform", "question"],
+               "trajectory_choice": ["lowest-entropy", "highest-entropy", "random"],
                "trajectory_score": ["mean", "sum"]}
 
 
-# Options a resumed run must share with the run it continues: they fix the data order and the model.
-RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model", "group_size")
+# Options a resumed run must share with the run it continues: they fix the data order and the model; and the buffer
+# (its success counts are out of G, its log-probs at the sampling temperature).
+RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model", "group_size", "temperature")
 
 
 def validate(cfg: Config):
@@ -134,14 +154,13 @@ def validate(cfg: Config):
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
-    check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
     check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
     check(0 <= cfg.replay_ratio <= 1, "replay_ratio", "a share of the batch in [0, 1]")
-    check(cfg.bucket_sigma > 0, "bucket_sigma", "a positive number")
+    check(cfg.bucket_sigma > 0 and cfg.shaping_beta > 0, "bucket_sigma/shaping_beta", "positive numbers")
     # retired (all-correct) and all-wrong groups are part of the buffer's bookkeeping: every group must be seen
     check(not cfg.dynamic_sampling, "dynamic_sampling", "off (ExGRPO keeps every group)")
 
@@ -269,11 +288,13 @@ class Experience:
 
 # ----------------------------------------------------------------------------- ExGRPO: which questions to replay
 
-def bucket_weights(K: int, method: str = "normal", sigma: float = 1.0) -> torch.Tensor:
+def bucket_weights(K: int, method: str = "normal", sigma: float = 1.0) -> torch.Tensor | None:
     """Unnormalised preference w_k of the buckets k = 1 .. K-1 (ExGRPO §4.1), [K-1] float64.
     normal: N(k; K/2, σ) in success-count units, as the authors' code (σ = 1 puts 40% on k = K/2 when K = 8);
     normal-acc: N(k/K; 0.5, σ) in accuracy units, as the paper's formula reads (σ = 1 is nearly uniform);
-    linear, sqrt: k/K and sqrt(k/K); uniform: all alike."""
+    linear, sqrt: k/K and sqrt(k/K); uniform: all buckets alike; question: None, no buckets (every question alike)."""
+    if method == "question":
+        return None
     k = torch.arange(1, K, dtype=torch.float64)
     # our choice: count units by default; the paper's text and the authors' code disagree, its results are the code's
     if method in ("normal", "normal-acc"):
@@ -284,7 +305,12 @@ def bucket_weights(K: int, method: str = "normal", sigma: float = 1.0) -> torch.
 
 def bucket_probs(weights: torch.Tensor, sizes: list) -> torch.Tensor:
     """p_k = w_k / Σ over non-empty buckets k' of w_k', and 0 for an empty bucket. weights, sizes: [K-1]."""
-    w = weights * (torch.tensor(sizes) > 0)
+    filled = torch.tensor(sizes) > 0
+    w = weights * filled
+    # our choice: where every filled bucket's weight underflows to 0 (K = 100, only buckets 1 and 99 filled: e^-1200),
+    # they are drawn alike, which is also what the weights' true ratio gives when the buckets lie symmetric about K/2
+    if w.sum() == 0:
+        w = filled.double()
     return w / w.sum() if w.sum() > 0 else w
 
 
@@ -293,15 +319,19 @@ def replay_count(rho: float, B: int, n_valid: int) -> int:
     return min(math.floor(rho * B + 1e-9), n_valid)  # + 1e-9: 0.3 * 10 is 2.9999999999999996 in floats
 
 
-def bucket_sample(buckets: dict, n: int, weights: torch.Tensor, gen: torch.Generator) -> list[int]:
+def bucket_sample(buckets: dict, n: int, weights: torch.Tensor | None, gen: torch.Generator) -> list[int]:
     """n distinct question ids (ExGRPO §4.1): bucket counts c ~ Multinomial(n, p); a bucket asked for more than it
     holds hands the overflow, one unit at a time, to the buckets with room left, chosen ∝ p among them (as the
-    authors' sampler does); then c_k ids uniformly without replacement from bucket k."""
+    authors' sampler does); then c_k ids uniformly without replacement from bucket k. weights None: n ids uniformly
+    without replacement from all the buckets' questions together (Table 6's "w/o question selection")."""
     ks = sorted(buckets)
     sizes = [len(buckets[k]) for k in ks]
     n = min(n, sum(sizes))
     if n == 0:
         return []
+    if weights is None:
+        every = sorted(q for k in ks for q in buckets[k])
+        return [every[int(i)] for i in torch.randperm(len(every), generator=gen)[:n]]
     p = bucket_probs(weights, sizes)
     counts = torch.bincount(torch.multinomial(p, n, replacement=True, generator=gen), minlength=len(ks)).tolist()
     overflow = sum(max(c - s, 0) for c, s in zip(counts, sizes))
@@ -309,7 +339,7 @@ def bucket_sample(buckets: dict, n: int, weights: torch.Tensor, gen: torch.Gener
     for _ in range(overflow):
         room = torch.tensor([c < s for c, s in zip(counts, sizes)])
         q = p * room
-        q = q if q.sum() > 0 else room.double()  # our choice: uniform if p underflowed to 0 on every bucket with room
+        q = q if q.sum() > 0 else room.double()  # as in bucket_probs: alike if p underflowed on every bucket with room
         counts[int(torch.multinomial(q, 1, generator=gen))] += 1
     ids = []
     for k, c in zip(ks, counts):
@@ -317,13 +347,29 @@ def bucket_sample(buckets: dict, n: int, weights: torch.Tensor, gen: torch.Gener
     return ids
 
 
+def step_questions(exp: Experience, fresh: list, n: int, weights, gen: torch.Generator) -> tuple[list, list]:
+    """The step's question ids and which are replayed (ExGRPO §4.2): n drawn from the buffer and the first B - n of
+    the B fresh ones (the rest are dropped this step, as the authors' loader does), in a seeded random order, as the
+    authors' collate shuffles the mixed batch: with M > 1 mini-batches, replayed groups are not all in the first."""
+    replayed = bucket_sample(exp.buckets(), n, weights, gen)
+    qids = replayed + fresh[:len(fresh) - len(replayed)]
+    if not replayed:  # nothing to mix: the fresh order, so that replay off is grpo.py's batch
+        return qids, [False] * len(qids)
+    order = torch.randperm(len(qids), generator=gen).tolist()
+    return [qids[i] for i in order], [i < len(replayed) for i in order]
+
+
 # ----------------------------------------------------------------------------- ExGRPO: which trajectory to replay
 
 def select_trajectories(model, exp: Experience, qids: list, contexts: list, micro_batch, pad_id, device, autocast,
-                        how: str = "mean") -> list[Trajectory]:
+                        how: str = "mean", choice: str = "lowest-entropy", gen=None) -> list[Trajectory]:
     """For each drawn question, o* = its stored trajectory of lowest mean token entropy under the current policy at
     T = 1, H̄(o) = (1/|o|) Σ_t H(π_θ(·|q, o_<t)) over the completion tokens (ExGRPO §3.2, §4.1), recomputed each
-    time the question is drawn. how="sum": Σ_t H (no length division). contexts[j]: question qids[j]'s prompt."""
+    time the question is drawn. how="sum": Σ_t H (no length division). contexts[j]: question qids[j]'s prompt.
+    choice: highest-entropy takes the largest H̄ instead; random one stored trajectory uniformly (with gen), with no
+    forward (ExGRPO Table 6)."""
+    if choice == "random":
+        return [exp.pool[q][int(torch.randint(len(exp.pool[q]), (), generator=gen))] for q in qids]
     cands = [(j, t) for j, q in enumerate(qids) for t in exp.pool[q]]
     if not cands:
         return []
@@ -335,6 +381,7 @@ def select_trajectories(model, exp: Experience, qids: list, contexts: list, micr
     # our choice: §3.2's mean over the completion's own tokens (Alg. 1 writes a mean NLL, the authors' code averages
     # summed entropies over a mask that does not line up with the completion)
     scores = [h.mean() if how == "mean" else h.sum() for h in entropy.split(b.lengths.tolist())]
+    scores = [-h for h in scores] if choice == "highest-entropy" else scores
     best = {}
     for (j, t), h in zip(cands, scores):
         if j not in best or h < best[j][0]:  # a tie keeps the earlier-stored trajectory
@@ -342,12 +389,17 @@ def select_trajectories(model, exp: Experience, qids: list, contexts: list, micr
     return [best[j][1] for j in range(len(qids))]
 
 
-def with_replayed(groups: list, replayed: list, stop_ids) -> list:
-    """Mixed groups (ExGRPO §4.2): the replayed trajectory of question j joins its K - 1 fresh samples, first. Its
-    'sampler' log-probs are the stored collection-time ones: they become π_old of its tokens."""
-    return [([Sample(tokens=list(t.tokens), logprobs=t.logp, entropies=torch.zeros(len(t.tokens)),
-                     finished=t.tokens[-1] in stop_ids)] if j < len(replayed) else []) + g
-            for j, (g, t) in enumerate(zip(groups, replayed + [None] * (len(groups) - len(replayed))))]
+def with_replayed(groups: list, replay: list, replayed: list, stop_ids) -> list:
+    """Mixed groups (ExGRPO §4.2): where replay[j], the next of the replayed trajectories joins question j's K - 1
+    fresh samples, first. Its 'sampler' log-probs are the stored collection-time ones (π_past of its tokens)."""
+    stored = iter(replayed)
+    out = []
+    for g, r in zip(groups, replay):
+        t = next(stored) if r else None
+        out.append(g if t is None else [Sample(tokens=list(t.tokens), logprobs=t.logp,
+                                               entropies=torch.zeros(len(t.tokens)),
+                                               finished=t.tokens[-1] in stop_ids)] + g)
+    return out
 
 
 def delayed_start(mixed: bool, batch_acc: float, threshold: float) -> bool:
@@ -399,13 +451,60 @@ def gather(obj) -> list:
     return out
 
 
+# -------------------------------------------------------------------------------------------- loss
+
+def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, shaped=None, **kw):
+    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
+    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
+    ExGRPO: shaped [n] bool marks the replayed tokens, whose old_logp is π_past, the collecting policy's."""
+    if shaped is not None:  # the clipped surrogate is 0 on replayed tokens; they take -A f(w) below instead
+        kw["weights"] = (~shaped).float()
+    loss, clipped_low, clipped_high = policy_loss(
+        logp, old_logp, adv, cfg.eps_low, cfg.eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef, entropy=entropy,
+        entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap or None, **kw)
+    if shaped is None:
+        return loss, clipped_low, clipped_high
+    # ExGRPO §4.2 eq. 4, policy shaping: -A f(w), w = π_θ / π_past, f(w) = w / (w + β) = sigmoid(log w - log β),
+    # never clipped: its gradient -A β w / (w + β)^2 ∇log π_θ lifts rare tokens (w -> 0) and damps w >> β. KL and
+    # entropy above still apply to these tokens
+    log_w = torch.where(shaped, logp - old_logp.detach(), 0.0)  # 0 elsewhere keeps exp() finite on fresh tokens
+    loss = loss - torch.where(shaped, adv * torch.sigmoid(log_w - math.log(cfg.shaping_beta)), 0.0).to(loss.dtype)
+    return loss, clipped_low & ~shaped, clipped_high & ~shaped
+
+
+def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
+    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    old_logp = old_logp.detach()
+    if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
+        log_ratio = logp - old_logp
+    else:  # GSPO §4 (GSPO-token): every token of completion i takes s_i = exp(mean log-ratio), gradient s_i ∇log π_θ
+        n_seq = int(seq_ids.max()) + 1
+        seq_sum = logp.new_zeros(n_seq).index_add_(0, seq_ids, (logp - old_logp).detach())
+        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids] + logp - logp.detach()
+    ratio = log_ratio.exp()
+    # the clipped surrogate (PPO eq. 7) per token, as GRPO's objective (arXiv 2402.03300 §4.1.1, eq. 3), with DAPO's
+    # clip-higher (arXiv 2503.14476 §3.1): ε_high > ε_low leaves an unlikely token more room to rise
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = loss * weights
+    if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
+        loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
+    if ref_logp is not None:  # k3 estimate of KL(π_θ || π_ref), GRPO eq. 4; the clamp keeps exp() finite
+        x = (ref_logp - logp).clamp(-10, 10)
+        loss = loss + cfg.kl_coef * (x.exp() - x - 1)
+    loss = loss - cfg.entropy_coef * entropy  # the entropy bonus
+    ratio = ratio.detach()
+    return loss, (ratio < 1 - cfg.eps_low) & (adv < 0), (ratio > 1 + cfg.eps_high) & (adv > 0)
+
+
 # ------------------------------------------------------------------------------------------ update
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
     (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    token_loss (weights, ...). Returns summed diagnostics."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
@@ -436,12 +535,11 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
                         extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
                     if cfg.tis_cap:
-                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                        extra["sampler_logp"] = b.sampler_logp[tok].to(device)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
-                    loss_tok, clip_low, clip_high = policy_loss(
-                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    loss_tok, clip_low, clip_high = token_loss(logp, old, tok_adv[tok].to(device), entropy, cfg,
+                                                               ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
                 with torch.no_grad():  # diagnostics
@@ -524,12 +622,12 @@ METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sampled_tok
                "perf/sample_tok_s", "perf/train_tok_s")
 METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
-
-def exgrpo_metrics(exp: Experience, n, B, mixed, logp, stored_logp) -> dict:
+def exgrpo_metrics(exp: Experience, n, B, mixed, logp, old_logp, beta) -> dict:
     """The buffer's state after the step, this step's replay share, the mixed-phase flag, and the replayed tokens'
-    ratio w* = π_θ / π_past at the start of the update with its shaped value f(w*) (summed over ranks first)."""
-    w = (logp - stored_logp).exp()  # [replayed tokens]
-    f = w / (w + 0.1)  # β = 0.1, kernels.policy_loss's default for shaped tokens
+    ratio w* = π_θ / π_old at the start of the update (π_old = π_past with the IS correction) with its shaped value
+    f(w*) = w* / (w* + β), summed over ranks first."""
+    w = (logp - old_logp).exp()  # [replayed tokens]
+    f = w / (w + beta)
     w_sum, f_sum, count = dist.all_reduce_sum(torch.tensor([w.sum().item(), f.sum().item(), len(w)])).tolist()
     out = {"exgrpo/buffer_questions": len(exp.valid()), "exgrpo/buffer_trajectories": exp.n_trajectories(),
            "exgrpo/retired": len(exp.retired), "exgrpo/replay_share": n / B, "exgrpo/mixed": float(mixed),
@@ -549,7 +647,7 @@ def main(argv=None):
     check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     device = dist.setup(cfg.device)
     validate(cfg)
-    cfg.run_name = cfg.run_name or datetime.now().strftime("exgrpo-%Y%m%d-%H%M%S")
+    cfg.run_name = cfg.run_name or datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
     run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
     ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
     check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
@@ -618,21 +716,21 @@ def main(argv=None):
     for step in range(start_step + 1, cfg.steps + 1):
         # ---- 1. sample: n questions from the buffer (1 replayed + G - 1 fresh samples each), B - n fresh (G each)
         t0 = time.time()
-        fresh = stream.next(exp.retired)  # B ids; those beyond B - n are dropped this step (as the authors' loader)
         n = replay_count(cfg.replay_ratio, B, len(exp.valid())) if mixed else 0
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + dist.rank())
-        # our choice: replayed questions first; one may also be among this step's fresh ones (nothing excludes it)
-        qids = bucket_sample(exp.buckets(), n, weights, gen) + fresh[:B - n]
+        qids, replay = step_questions(exp, stream.next(exp.retired), n, weights, gen)  # [B], replay[j]: from the buffer
         problems = [train[q] for q in qids]
         contexts = [tok.prompt(format_question(p)) for p in problems]
-        replayed = select_trajectories(rollout, exp, qids[:n], contexts, cfg.micro_batch, tok.pad_id, device, autocast,
-                                       cfg.trajectory_score)
+        replayed = select_trajectories(rollout, exp, [q for q, r in zip(qids, replay) if r],
+                                       [c for c, r in zip(contexts, replay) if r], cfg.micro_batch, tok.pad_id, device,
+                                       autocast, cfg.trajectory_score, cfg.trajectory_choice, gen)
         with torch.no_grad(), autocast:
-            groups = generate(rollout, contexts, n=[G - 1] * n + [G] * (B - n), max_new_tokens=cfg.max_new_tokens,
+            groups = generate(rollout, contexts, n=[G - r for r in replay], max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids,
                               seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
-        b = to_batch(contexts, with_replayed(groups, replayed, tok.stop_ids), [p.answer for p in problems], range(B))
-        is_replay = torch.tensor([j < n and i == 0 for j in range(B) for i in range(G)])  # [N]
+        b = to_batch(contexts, with_replayed(groups, replay, replayed, tok.stop_ids), [p.answer for p in problems],
+                     group_ids=range(B))
+        is_replay = torch.tensor([r and i == 0 for r in replay for i in range(G)])  # [N]
         t_sample = time.time()
 
         # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
@@ -652,8 +750,9 @@ def main(argv=None):
         # our choice: stored at the sampling temperature, the one every ratio here uses (the paper samples at T = 1)
         ref_logp = None
         scored_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
-        shaped = is_replay.repeat_interleave(b.lengths)  # [n_tok]
-        old_logp = torch.where(shaped, b.sampler_logp, scored_logp)
+        replay_tok = is_replay.repeat_interleave(b.lengths)  # [n_tok]
+        # w/o IS correction (Table 6): replayed tokens are measured against π_θold, as fresh ones, not π_past
+        old_logp = torch.where(replay_tok, b.sampler_logp, scored_logp) if cfg.is_correction else scored_logp
         tok_logps = scored_logp.split(b.lengths.tolist())
         for j, q in enumerate(qids):  # retire all-correct questions; collect once the delayed start has fired
             rows = range(j * G, (j + 1) * G)
@@ -667,12 +766,13 @@ def main(argv=None):
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler.
-        # Replayed tokens: -A f(w), f(w) = w / (w + 0.1), never clipped (kernels.policy_loss `shaped`, ExGRPO eq. 4);
-        # fresh tokens: unclipped once mixed training has begun (App. D), clipped before it (the authors' code)
+        # Replayed tokens: -A f(w) (token_loss's `shaped`); fresh tokens: unclipped once mixed training has begun
+        # (ExGRPO App. D, Table 4), clipped before it (as the authors' code)
         update_cfg = replace(cfg, eps_low=1.0, eps_high=math.inf) if mixed else cfg
+        shaping = {"shaped": replay_tok} if n and cfg.policy_shaping else None
         stats = update(policy, model, optimizer, b, adv, update_cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
-                       loss_kw={"shaped": shaped} if n else None)
-        skipped_in_a_row = stats["skipped_since_last_step"] + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
+                       loss_kw=shaping)
+        skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
                            f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
@@ -692,7 +792,8 @@ def main(argv=None):
         # replayed trajectories were sampled in an earlier step: not this step's sampling work
         metrics["perf/sampled_tokens"] -= b_all.lengths[is_replay].sum().item()
         metrics["perf/sample_tok_s"] = metrics["perf/sampled_tokens"] / (t_sample - t0)
-        metrics.update(exgrpo_metrics(exp, n, B, was_mixed, scored_logp[shaped], old_logp[shaped]))
+        metrics.update(exgrpo_metrics(exp, n, B, was_mixed, scored_logp[replay_tok], old_logp[replay_tok],
+                                      cfg.shaping_beta))
         sums = METRIC_SUMS + EXGRPO_SUMS + tuple(k for k in metrics if k.startswith("exgrpo/bucket_"))
         log.log(step, dist.reduce_metrics(metrics, sums=sums, maxes=METRIC_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:

@@ -93,13 +93,62 @@ def test_bucket_sample_follows_p_and_reassigns_overflow():
     assert 2.5 < hits[3] / hits[2] < 8 and p[2] / p[1] > 4
 
 
+def test_bucket_sample_survives_underflowing_weights():
+    """K = 100 with only buckets 1 and 99 filled: both weights N(k; 50, 1) underflow to 0 (issue 36 item 7). Catches
+    the multinomial over an all-zero p raising."""
+    exp = Experience(100)
+    for q, k in ((1, 1), (2, 99), (3, 99)):
+        exp.record(q, [True] * k + [False] * (100 - k), [[q, i] for i in range(100)], [torch.zeros(2)] * 100, True)
+    w = exgrpo.bucket_weights(100)
+    p = exgrpo.bucket_probs(w, [len(v) for v in exp.buckets().values()])
+    assert p[0] == p[98] == 0.5 and p.sum() == 1
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3):
+        ids = exgrpo.bucket_sample(exp.buckets(), n, w, g)
+        assert len(set(ids)) == n and set(ids) <= {1, 2, 3}
+
+
+def test_question_choice_is_uniform_over_questions():
+    """--bucket-weighting question (ExGRPO Table 6, "w/o question selection"): a lone question in bucket 4 against
+    ten in bucket 2 is drawn 1/11 of the time, not 1/2 as with `uniform` (over buckets). Catches the option falling
+    back to any bucket weighting."""
+    exp = filled({0: 4, **{q: 2 for q in range(1, 11)}})
+    assert exgrpo.bucket_weights(K, "question") is None
+    g = torch.Generator().manual_seed(0)
+    lone = sum(exgrpo.bucket_sample(exp.buckets(), 1, None, g) == [0] for _ in range(2200)) / 2200
+    assert lone == pytest.approx(1 / 11, abs=0.02)
+    by_bucket = sum(exgrpo.bucket_sample(exp.buckets(), 1, exgrpo.bucket_weights(K, "uniform"), g) == [0]
+                    for _ in range(400)) / 400
+    assert by_bucket == pytest.approx(0.5, abs=0.08)
+    assert sorted(exgrpo.bucket_sample(exp.buckets(), 20, None, g)) == list(range(11))  # n distinct, capped
+
+
 # ----------------------------------------------------------------------------- 3. n and the batch size
 
 @pytest.mark.parametrize("rho,B,valid,n", [(0.5, 128, 1000, 64), (0.5, 128, 10, 10), (0.5, 8, 0, 0), (0.0, 8, 50, 0),
                                            (0.3, 10, 50, 3), (1.0, 8, 5, 5), (0.5, 7, 50, 3)])
 def test_replay_count(rho, B, valid, n):
     assert exgrpo.replay_count(rho, B, valid) == n
-    assert n + (B - n) == B  # the rest of the batch is fresh
+
+
+def test_step_questions_mix_replayed_and_fresh_in_a_shuffled_order():
+    """B questions: n distinct valid replayed ones and the stream's first B - n fresh ones, shuffled
+    together (issue 36 item 1). Catches: no shuffle (replayed always first, so with M = 2 the replayed groups all
+    land in the first mini-batch), fresh not cut to B - n, replayed ids outside the buffer."""
+    exp = filled({10: 1, 11: 2, 12: 3, 13: 4, 14: 5, 15: 6})
+    fresh = [0, 1, 2, 3, 4, 5, 6, 7]
+    slots = []
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        qids, replay = exgrpo.step_questions(exp, fresh, 3, exgrpo.bucket_weights(K), g)
+        assert len(qids) == len(replay) == 8 and sum(replay) == 3 and len(set(qids)) == 8
+        assert {q for q, r in zip(qids, replay) if r} <= set(exp.valid())
+        assert sorted(q for q, r in zip(qids, replay) if not r) == fresh[:5]
+        slots.append(tuple(i for i, r in enumerate(replay) if r))
+    assert len(set(slots)) > 10  # the replayed groups' places vary with the seed...
+    assert sum(max(s) >= 4 for s in slots) >= 10  # ...and reach the second half of the batch (mini-batch 2 of 2)
+    # nothing to replay: the stream's order untouched (so that replay off gives grpo.py's batch)
+    assert exgrpo.step_questions(exp, fresh, 0, exgrpo.bucket_weights(K), g) == (fresh, [False] * 8)
 
 
 # ----------------------------------------------------------------------------- 5. collection
@@ -187,9 +236,10 @@ class ToyLM(torch.nn.Module):
         return logprobs_entropy(self.table[ids][target_mask], targets[target_mask], temperature)
 
 
-def select(model, exp, qids, contexts, how="mean"):
+def select(model, exp, qids, contexts, how="mean", choice="lowest-entropy", gen=None):
     no_autocast = torch.autocast("cpu", enabled=False)
-    return exgrpo.select_trajectories(model, exp, qids, contexts, 2, 0, torch.device("cpu"), no_autocast, how)
+    return exgrpo.select_trajectories(model, exp, qids, contexts, 2, 0, torch.device("cpu"), no_autocast, how, choice,
+                                      gen)
 
 
 def test_selection_picks_lowest_mean_entropy():
@@ -213,6 +263,23 @@ def test_selection_picks_lowest_mean_entropy():
         model.table.zero_()
         model.table[0, 1] = model.table[1, 2] = model.table[2, 0] = 30.0
     assert select(model, exp, [7], [[1, 2]])[0].tokens == high
+
+
+def test_trajectory_choice_highest_entropy_and_random():
+    """ExGRPO Table 6's trajectory ablations. highest-entropy takes the argmax of H̄ (catches it falling back to the
+    argmin); random draws each stored trajectory alike, with no forward (catches a fixed or entropy-based pick)."""
+    table = torch.zeros(6, 6)
+    table[3, 4] = table[4, 5] = table[5, 3] = 30.0
+    low, high, mid = (3, 4, 5, 3), (0, 1, 2, 0), (3, 4, 0, 1, 2, 0, 4, 5)
+    exp = Experience(K)
+    exp.pool = {7: [Trajectory(low, torch.zeros(4)), Trajectory(high, torch.zeros(4)), Trajectory(mid, torch.zeros(8))]}
+    exp.bucket = {7: 3}
+    assert select(ToyLM(table), exp, [7], [[1, 3]], choice="highest-entropy")[0].tokens == high
+    assert select(ToyLM(table), exp, [7], [[1, 3]], choice="lowest-entropy")[0].tokens == low
+    g = torch.Generator().manual_seed(0)
+    picks = [select(None, exp, [7, 7], [[1], [1]], choice="random", gen=g) for _ in range(300)]  # model None: no forward
+    share = {t: sum(p[0].tokens == t for p in picks) / 300 for t in (low, high, mid)}
+    assert all(s == pytest.approx(1 / 3, abs=0.1) for s in share.values())
 
 
 # ----------------------------------------------------------------------------- 12. delayed start
@@ -244,21 +311,64 @@ def test_experience_state_round_trip(tmp_path):
 # ----------------------------------------------------------------------------- 8. the shaped replay loss
 
 def test_shaping_function_and_gradient():
-    from kernels import policy_loss
-    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
-    old = torch.tensor([-1.0, -1.0 - math.log(5.0), -1.0 + math.log(100.0), -1.0 - math.log(5.0)])  # w = 1, 5, 0.01, 5
-    adv = torch.ones(4)
+    """exgrpo.token_loss on replayed (shaped) tokens: -A f(w), f(w) = w / (w + β), never clipped (ExGRPO §4.2 eq. 4),
+    in float64 against hand-computed values and gradients. Catches a clipped or unshaped replayed token, a β other
+    than cfg.shaping_beta, and clip counters that count replayed tokens."""
+    logp = torch.full((4,), -1.0, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([-1.0, -1.0 - math.log(5.0), -1.0 + math.log(100.0), -1.0 - math.log(5.0)],
+                       dtype=torch.float64)  # w = 1, 5, 0.01 on the replayed tokens; ratio 5 on the fresh one
+    adv = torch.ones(4, dtype=torch.float64)
     shaped = torch.tensor([True, True, True, False])
-    loss, low, high = policy_loss(logp, old, adv, 0.2, 0.2, shaped=shaped, shaped_beta=0.1)
-    w = torch.tensor([1.0, 5.0, 0.01])
-    torch.testing.assert_close(loss[:3].detach(), -w / (w + 0.1))
+    cfg = exgrpo.Config(eps_high=0.2)
+    loss, low, high = exgrpo.token_loss(logp, old, adv, torch.zeros(4, dtype=torch.float64), cfg, shaped=shaped)
+    w = torch.tensor([1.0, 5.0, 0.01], dtype=torch.float64)
+    torch.testing.assert_close(loss[:3].detach().double(), -w / (w + 0.1))
     assert loss[0].item() == pytest.approx(-1 / 1.1)  # f(1) = 1/1.1
+    assert loss[3].item() == pytest.approx(-1.2)  # the fresh token: the clipped surrogate, clip(5) = 1.2
     loss.sum().backward()
     # d(-A f(w))/d log π = -A β w / (w + β)^2: 0.1 / 1.21 = 0.0826 at w = 1; never cut by a clip
-    assert -logp.grad[0].item() == pytest.approx(0.1 / 1.21, rel=1e-5)
+    assert -logp.grad[0].item() == pytest.approx(0.1 / 1.21, rel=1e-6)
     torch.testing.assert_close(-logp.grad[:3], 0.1 * w / (w + 0.1) ** 2)
     assert not high[:3].any() and high[3]  # the fresh token at ratio 5 is clipped (no gradient), the shaped one is not
-    assert logp.grad[3] == 0 and logp.grad[1] != 0
+    assert logp.grad[3] == 0
+    # β is cfg.shaping_beta (ExGRPO Table 6's β option)
+    half = exgrpo.token_loss(logp.detach(), old, adv, torch.zeros(4, dtype=torch.float64),
+                             exgrpo.Config(shaping_beta=0.5), shaped=shaped)[0]
+    torch.testing.assert_close(half[:3].double(), -w / (w + 0.5))
+
+
+def test_shaped_tokens_keep_kl_and_entropy_and_mechanism_off_is_grpo():
+    """KL and the entropy bonus still act on replayed tokens; with no replayed token (shaped None or all False)
+    token_loss is grpo.py's. Catches the KL/entropy dropped on shaped tokens (e.g. a -A f(w) that replaces the whole
+    loss there) and any change to the fresh tokens' loss."""
+    grpo = pytest.importorskip("grpo")
+    torch.manual_seed(0)
+    n = 12
+    logp = (-torch.rand(n, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(n, dtype=torch.float64)
+    ref = logp.detach() + 0.5 * torch.randn(n, dtype=torch.float64)
+    adv, entropy = torch.randn(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64)
+    cfg = exgrpo.Config(kl_coef=0.05, entropy_coef=0.01)
+    want = grpo.token_loss(logp, old, adv, entropy, grpo.Config(kl_coef=0.05, entropy_coef=0.01), ref_logp=ref)
+    for shaped in (None, torch.zeros(n, dtype=torch.bool)):
+        got = exgrpo.token_loss(logp, old, adv, entropy, cfg, ref_logp=ref, shaped=shaped)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    shaped = torch.arange(n) % 3 == 0
+    loss = exgrpo.token_loss(logp, old, adv, entropy, cfg, ref_logp=ref, shaped=shaped)[0]
+    w = (logp.detach() - old).exp()
+    x = (ref - logp.detach()).clamp(-10, 10)
+    hand = -adv * w / (w + cfg.shaping_beta) + 0.05 * (x.exp() - x - 1) - 0.01 * entropy
+    torch.testing.assert_close(loss[shaped].detach().double(), hand[shaped])
+    torch.testing.assert_close(loss[~shaped], want[0][~shaped])
+
+
+def test_metrics_use_the_configured_beta():
+    """exgrpo/f_w_mean is f(w) with --shaping-beta, not a fixed 0.1. Catches a hard-coded β."""
+    w = torch.tensor([0.5, 2.0])
+    out = exgrpo.exgrpo_metrics(filled({1: 3}), 1, 4, True, w.log(), torch.zeros(2), beta=0.5)
+    assert out["exgrpo/w_mean"] == pytest.approx(1.25)
+    assert out["exgrpo/f_w_mean"] == pytest.approx(((w / (w + 0.5)).mean()).item())
 
 
 # ----------------------------------------------------------------------------- 10. advantages of a mixed group
@@ -323,29 +433,45 @@ def trainer_state(ckpt):
     return torch.load(ckpt / "trainer.pt", weights_only=False)
 
 
-def test_smoke_main_replays_and_retires(in_tmp, soft_model_dir, monkeypatch):
-    seen = {}
-    real_update, real_select = exgrpo.update, exgrpo.select_trajectories
-    real_loss = exgrpo.policy_loss
+def spy_main(monkeypatch, argv):
+    """Run exgrpo.main, recording each step's questions, selected trajectories, update inputs and token_loss calls."""
+    seen = {"questions": [], "selected": [], "update": [], "loss": []}
+    real_questions, real_select, real_update, real_loss = (exgrpo.step_questions, exgrpo.select_trajectories,
+                                                           exgrpo.update, exgrpo.token_loss)
+
+    def spy_questions(*a, **kw):
+        out = real_questions(*a, **kw)
+        seen["questions"].append(out)
+        return out
 
     def spy_select(*a, **kw):
         out = real_select(*a, **kw)
-        seen.setdefault("selected", []).append([(t.tokens, t.logp.clone()) for t in out])
+        seen["selected"].append([(t.tokens, t.logp.clone()) for t in out])
         return out
 
     def spy_update(policy, model, optimizer, b, adv, cfg, *a, **kw):
-        seen.setdefault("update", []).append((b, cfg.eps_low, cfg.eps_high, a[3].clone(), kw.get("loss_kw")))
+        seen["update"].append((b, cfg.eps_low, cfg.eps_high, a[3].clone(), kw.get("loss_kw")))
         return real_update(policy, model, optimizer, b, adv, cfg, *a, **kw)
 
-    def spy_loss(logp, old, adv, eps_low, eps_high, **kw):
-        seen.setdefault("loss", []).append((logp.detach().clone(), old.clone(), kw.get("shaped")))
-        return real_loss(logp, old, adv, eps_low, eps_high, **kw)
+    def spy_loss(logp, old, adv, entropy, cfg, **kw):
+        seen["loss"].append((logp.detach().clone(), old.clone(), kw.get("shaped")))
+        return real_loss(logp, old, adv, entropy, cfg, **kw)
 
-    monkeypatch.setattr(exgrpo, "select_trajectories", spy_select)
-    monkeypatch.setattr(exgrpo, "update", spy_update)
-    monkeypatch.setattr(exgrpo, "policy_loss", spy_loss)
-    exgrpo.main(["--model", str(soft_model_dir), "--run-name", "smoke", "--steps", "4", "--start-acc", "-1",
-                 "--prompts-per-step", "4", *RUN[2:]])
+    for name, spy in (("step_questions", spy_questions), ("select_trajectories", spy_select), ("update", spy_update),
+                      ("token_loss", spy_loss)):
+        monkeypatch.setattr(exgrpo, name, spy)
+    exgrpo.main(argv)
+    return seen
+
+
+def test_smoke_main_replays_at_a_temperature(in_tmp, soft_model_dir, monkeypatch):
+    """A 4-step run at T = 0.7 (issue 36 item 5: at T = 1 a temperature mismatch between the stored, the scored and the
+    update's log-probs would pass): replay starts, the replayed rows are the selected trajectories with their stored
+    log-probs as π_old, those equal the trainer's scoring pass of the step that collected them, and fresh tokens
+    have ratio 1. Catches stored or scored log-probs at T = 1 while the update uses T_s, and replayed rows misplaced
+    in the shuffled batch."""
+    seen = spy_main(monkeypatch, ["--model", str(soft_model_dir), "--run-name", "smoke", "--steps", "4", "--start-acc",
+                                  "-1", "--prompts-per-step", "4", *RUN[2:], "--temperature", "0.7"])
     steps = [r for r in rows(in_tmp / "runs/smoke/metrics.jsonl") if "exgrpo/mixed" in r]
     assert len(steps) == 4 and all(r["exgrpo/mixed"] == 1.0 for r in steps)
     assert steps[0]["exgrpo/replay_share"] == 0  # the first mixed step has an empty buffer
@@ -354,21 +480,26 @@ def test_smoke_main_replays_and_retires(in_tmp, soft_model_dir, monkeypatch):
     replay_steps = [r for r in steps if r["exgrpo/replay_share"] > 0]
     assert all(0 < r["exgrpo/f_w_mean"] < 1 and r["exgrpo/w_mean"] > 0 for r in replay_steps)
     assert all(sum(r[f"exgrpo/bucket_{k}"] for k in range(1, 4)) == r["exgrpo/buffer_questions"] for r in steps)
-    # every step: B groups of G; replayed rows are the selected trajectories, with their stored log-probs as π_old
-    for b, eps_low, eps_high, old_logp, loss_kw in seen["update"]:
-        assert torch.equal(torch.bincount(b.group), torch.full((4,), 4))
-        assert (eps_low, eps_high) == (1.0, math.inf)  # mixed phase: fresh tokens unclipped
+    scored = {}  # completion tokens -> the π_old log-probs of the step that sampled them (fresh rows)
     n_replayed = 0
-    for (b, _, _, old_logp, loss_kw), chosen in zip([u for u in seen["update"] if u[4]], [s for s in seen["selected"] if s]):
-        shaped = loss_kw["shaped"]
-        starts = torch.cumsum(b.lengths, 0) - b.lengths
-        for j, (tokens, logp) in enumerate(chosen):
-            i = 4 * j  # the replayed trajectory is the first member of its group
-            assert tuple(b.tokens[i]) == tokens
-            s = slice(int(starts[i]), int(starts[i] + b.lengths[i]))
-            assert shaped[s].all() and torch.equal(old_logp[s], logp)
+    for (b, eps_low, eps_high, old_logp, loss_kw), (qids, replay), chosen in zip(seen["update"], seen["questions"],
+                                                                                seen["selected"]):
+        assert torch.equal(torch.bincount(b.group), torch.full((4,), 4))  # B groups of G
+        assert (eps_low, eps_high) == (1.0, math.inf)  # mixed phase: fresh tokens unclipped
+        starts = (torch.cumsum(b.lengths, 0) - b.lengths).tolist()
+        span = [slice(st, st + n) for st, n in zip(starts, b.lengths.tolist())]
+        replayed_rows = [4 * j for j, r in enumerate(replay) if r]  # the replayed trajectory leads its group
+        assert len(chosen) == len(replayed_rows) and bool(loss_kw) == bool(chosen)
+        for i, (tokens, stored) in zip(replayed_rows, chosen):
+            assert tuple(b.tokens[i]) == tokens and loss_kw["shaped"][span[i]].all()
+            torch.testing.assert_close(old_logp[span[i]], stored, atol=0, rtol=0)  # π_past
+            # ...which is the scoring pass, at T_s, of the step that sampled it
+            torch.testing.assert_close(stored, scored[tokens], atol=0, rtol=0)
             n_replayed += 1
-        assert int(shaped.sum()) == sum(len(t) for t, _ in chosen)
+        if loss_kw:
+            assert int(loss_kw["shaped"].sum()) == sum(int(b.lengths[i]) for i in replayed_rows)
+        for i in set(range(len(b.tokens))) - set(replayed_rows):
+            scored.setdefault(tuple(b.tokens[i]), old_logp[span[i]])
     assert n_replayed > 0
     # 9: on fresh tokens π_old is the trainer's own forward (ratio exactly 1 on the first mini-batch);
     # replayed tokens are measured against their stored log-probs, which differ
@@ -379,13 +510,52 @@ def test_smoke_main_replays_and_retires(in_tmp, soft_model_dir, monkeypatch):
     assert len(state) == 1 and state[0]["mixed"] and state[0]["buffer"]["pool"]
 
 
-def test_replay_off_equals_grpo_dr_grpo_step(in_tmp, soft_model_dir, monkeypatch):
+def test_retirement_in_the_loop(in_tmp, soft_model_dir, monkeypatch):
+    """From step 3 on every rollout is right: each question drawn at steps 3-4 is retired (issue 36 item 5), leaves the
+    buffer and its bucket, and no retired question is replayed afterwards. Catches retirement disabled (no question
+    retired, or a retired one kept in the buffer or replayed)."""
+    calls = []
+
+    def parity_then_right(text, answer):
+        calls.append(1)
+        return 1.0 if len(calls) > 2 * 16 else parity_reward(text, answer)  # 16 rollouts a step
+
+    monkeypatch.setattr(exgrpo, "score", parity_then_right)
+    seen = spy_main(monkeypatch, ["--model", str(soft_model_dir), "--run-name", "retire", "--steps", "4",
+                                  "--start-acc", "-1", "--prompts-per-step", "4", *RUN[2:]])
+    (q1, _), (q2, _), (q3, r3), (q4, r4) = seen["questions"]
+    steps = [r for r in rows(in_tmp / "runs/retire/metrics.jsonl") if "exgrpo/mixed" in r]
+    assert any(r3) and steps[1]["exgrpo/buffer_questions"] > 0  # step 3 replayed stored questions
+    state = trainer_state(in_tmp / "runs/retire/checkpoint")["extra"]["exgrpo"][0]["buffer"]
+    retired = set(state["retired"])
+    assert set(q3) | set(q4) <= retired and steps[3]["exgrpo/retired"] == len(retired)
+    assert not retired & {int(q) for q in state["pool"]} and not retired & {int(q) for q in state["bucket"]}
+    assert not set(q3) & {q for q, r in zip(q4, r4) if r}  # step 3's questions, retired, are not replayed at step 4
+    assert steps[2]["exgrpo/buffer_questions"] < steps[1]["exgrpo/buffer_questions"]
+
+
+def test_ablations_no_shaping_no_is_correction(in_tmp, soft_model_dir, monkeypatch):
+    """ExGRPO Table 6: --no-policy-shaping gives replayed tokens the fresh tokens' objective (token_loss never gets
+    `shaped`), --no-is-correction measures them against π_θold (the scoring pass), not the stored π_past, so every
+    token's ratio is 1 on the first mini-batch. Catches either switch being ignored."""
+    seen = spy_main(monkeypatch, ["--model", str(soft_model_dir), "--run-name", "abl", "--steps", "3", "--start-acc",
+                                  "-1", "--prompts-per-step", "4", *RUN[2:], "--no-policy-shaping",
+                                  "--no-is-correction", "--trajectory-choice", "random", "--bucket-weighting",
+                                  "question"])
+    assert sum(map(len, seen["selected"])) > 0  # replay happened (random trajectories of uniformly drawn questions)
+    assert all(kw is None for *_, kw in seen["update"])
+    assert all(shaped is None for *_, shaped in seen["loss"])
+    for logp, old, _ in seen["loss"]:
+        torch.testing.assert_close(logp, old, atol=1e-5, rtol=0)
+    steps = [r for r in rows(in_tmp / "runs/abl/metrics.jsonl") if "exgrpo/w_mean" in r]
+    assert steps and all(r["exgrpo/w_mean"] == pytest.approx(1.0, abs=1e-5) for r in steps)
+
+
+def test_replay_off_equals_grpo_step(in_tmp, soft_model_dir, monkeypatch):
     grpo = pytest.importorskip("grpo")
     monkeypatch.setattr(grpo, "score", parity_reward)
-    host = ["--adv-norm", "none", "--loss-agg", "seq-mean-token-sum-norm", "--eps-high", "0.2", "--entropy-coef",
-            "0.001", "--skip-grad-norm", "500"]
     common = ["--model", str(soft_model_dir), "--steps", "2", *RUN]
-    grpo.main([*common, *host, "--run-name", "grpo"])
+    grpo.main([*common, "--run-name", "grpo"])
     # ρ = 0 in the mixed phase (collecting, fresh tokens unclipped), and replay on but before the delayed start
     exgrpo.main([*common, "--run-name", "off", "--replay-ratio", "0", "--start-acc", "-1"])
     exgrpo.main([*common, "--run-name", "early", "--start-acc", "2"])
@@ -424,8 +594,13 @@ def test_resume_with_a_full_buffer_is_exact(in_tmp, soft_model_dir):
     train_a, train_b = ([key(r) for r in rs if "reward/acc" in r] for rs in (ra, rb))  # (halves also evaluated at 2)
     assert len(train_a) == 4 and train_a == train_b
     assert any(r["exgrpo/replay_share"] > 0 for r in train_a[2:])  # replay happened after the resume point
-    # a checkpoint without the buffers (e.g. grpo.py's) cannot be resumed: one line, exit 2
     from common.config import main_guard
+    # the buffer's log-probs are at the sampling temperature: another --temperature is refused (issue 36 item 6)
+    with pytest.raises(SystemExit) as e:
+        main_guard(lambda: exgrpo.main([*common, "--run-name", "straight", "--steps", "6", "--resume",
+                                        "--temperature", "0.9"]))
+    assert e.value.code == 2
+    # a checkpoint without the buffers (e.g. grpo.py's) cannot be resumed: one line, exit 2
     ckpt = in_tmp / "runs/straight/checkpoint/trainer.pt"
     saved = torch.load(ckpt, weights_only=False)
     del saved["extra"]["exgrpo"]
@@ -456,7 +631,7 @@ def test_mixed_loss_is_padding_free_and_divided_by_a_constant(soft_model_dir):
         logp, _ = trainer_logprobs(model, b, 8, 1.0, 0, cpu, no_autocast)
         old = torch.where(shaped, logp - 0.3, logp)  # stored log-probs: the collecting policy differed
         cfg = exgrpo.Config(micro_batch=micro, max_new_tokens=max_new_tokens, temperature=1.0, eps_low=1.0,
-                            eps_high=math.inf, max_grad_norm=1e9)
+                            eps_high=math.inf, max_grad_norm=1e9, loss_agg="seq-mean-token-sum-norm")  # the paper's
         before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         exgrpo.update(model, model, opt, b, adv, cfg, 0, cpu, no_autocast, old, None, loss_kw={"shaped": shaped})
