@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from common import symbolic
 from common.tasks import load_task
 from common.verifier import answer_key, extract_answer, is_equiv, normalize, score
 
@@ -180,6 +181,15 @@ def test_answer_key_groups_equivalent_answers():
     assert answer_key("1,-2") == answer_key("-2, 1") != answer_key("1, 2")
     assert answer_key("x^2+2x+1") == answer_key("(x+1)^2") != answer_key("(x-1)^2")
     assert answer_key("\\text{East}") == answer_key("east")
+
+
+def test_symbolic_path_on_normalised_answers():
+    """common.symbolic alone: `key` is None where answer_key keys an answer by its text (an equation, a base-b
+    number, an answer it cannot read, one too long to parse), so those never share a key by accident."""
+    assert symbolic.same("(x+1)^2", "x^2+2x+1") and not symbolic.same("(x+1)^2", "x^2+1")
+    assert symbolic.same("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}")
+    assert symbolic.key("3, 1") == symbolic.key("\\{1, 3\\}") != symbolic.key("1, 2")
+    assert [symbolic.key(s) for s in ("y=2x+3", "52_8", "\\frac{", "x+" * 200 + "1")] == [None] * 4
 
 
 # ------------------------------------------------------------------ bounded time on hostile input
