@@ -3,10 +3,12 @@ device's own ceilings, and the kernel and sampler tests with Triton compiled. Re
 
 On a lent GPU machine (the device tool: one call, at most 10 minutes; this script caps itself at 540 s):
 
-    run(command="PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT/gpu", timeout_s=600)
+    run(command="PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT/gpu --commit <git describe --always --dirty>",
+        timeout_s=600)
 
-The machine's start takes 1-2 of a session's 15 device minutes and this run about 9.5: one try, then give_back.
-Commit the results.json and results.md it brings back under bench/results/<device>-<date>/. Elsewhere:
+(the commit written out here: no .git travels). The machine's start takes 1-2 of a session's 15 device minutes and
+this run about 9.5: one try, then give_back. Commit the results.json and results.md it brings back under
+bench/results/<device>-<date>/. Elsewhere:
 
     python bench/gpu.py --out bench/results/h100-2026-12-01     # any machine with one CUDA GPU
     python bench/gpu.py --cpu-tiny --out /tmp/gpu-tiny           # every part at tiny shapes on a CPU (< 1 min)
@@ -17,12 +19,15 @@ had measured kept. results.json, results.md and log.txt (the parts' own output) 
   1 ceilings  a 1 GiB device-to-device copy (bytes read + written per second) and an 8192^3 bf16 matmul
               (FLOP/s), random data, median of triton's do_bench: the roofs every fraction below divides by.
   2 sampler   common.sampler.generate at Qwen2.5-0.5B's shapes, bf16, batch 256 / 1 / 64 (the goals' batches
-              first), 256-token prompts, 512 new tokens, T = 1 sampling, no stop: ours eager, ours with CUDA
-              graphs (compile=True), transformers generate (the same weights); tokens/s and fraction of the roofline.
+              first), 256-token prompts, 512 new tokens, T = 1 sampling, no stop: ours eager, transformers generate
+              (the same weights), ours with CUDA graphs (compile=True); tokens/s, and the fraction of the roofline:
+              the call's floor (per forward, the larger of bytes / copy rate and FLOPs / matmul rate; bytes are the
+              weights + the KV cache read, see generate_floor) over its measured time.
   3 train     the trainer's micro-batch (common.batch.completion_logprobs, GRPO's clipped loss, backward) at
               Qwen2.5-0.5B and 1.5B shapes, fp32 master weights under bf16 autocast as grpo.py runs on a GPU,
-              8k tokens packed as the trainer packs them, with and without gradient checkpointing: tokens/s,
-              MFU, peak memory; and the AdamW step.
+              8k tokens packed as the trainer packs them, with and without gradient checkpointing: tokens/s, MFU
+              (6 FLOPs per weight per token + attention's, over the measured matmul rate), peak memory
+              (torch.cuda.max_memory_allocated, weights and AdamW state included); and the AdamW step's time.
   4 kernels   the fused log-prob + entropy forward at [8192, 151936] bf16 (fraction of the copy rate) and the
               fused clipped loss at 8k-64k tokens, each against its eager reference; then bench/kernels.py's tables.
   5 suite     python -m pytest tests/test_kernels.py tests/test_sampler.py, TRITON_INTERPRET unset: every Triton
@@ -290,6 +295,7 @@ def sampler_variants(ours, hf, prompts, new, dev):
     def ours_call(n_new, compile=False):
         return lambda: generate(ours, prompts, max_new_tokens=n_new, temperature=1.0, stop_ids=(), seed=0,
                                 compile=compile)
+
     def hf_call(n_new):
         return lambda: hf_generate(hf, prompts, 1, n_new, True, (), 0, 0, True)
     # the CUDA-graph path last: if its compilation outlasts the part's cap, the other two are measured already
@@ -314,6 +320,9 @@ def part_sampler(p, dev, s):
         p.skip("transformers generate", why)
     if dev.type != "cuda":
         p.skip("ours CUDA graphs", f"{CPU_SKIP}: compile=True captures CUDA graphs")
+    else:  # what the floor does not count, and the fixed-shape step costs
+        p.data["notes"].append("the CUDA-graph step attends over the whole preallocated cache (prompt + new, rounded "
+                               "up to 128 columns) at every step, the eager step over the filled columns only")
     compiled_once, broken = False, set()  # a variant that failed once is not tried at the other batches
     for B in s["sampler_batches"]:
         g = torch.Generator().manual_seed(B)
@@ -331,7 +340,6 @@ def part_sampler(p, dev, s):
                     sampler_row(p, dev, B, s["new"], name, warm, call, floor, step_floor)
                 if failed:
                     broken.add(name)
-    transformers_vs(p)
 
 
 def sampler_row(p, dev, B, new, name, warm, call, floor, step_floor):
@@ -342,10 +350,14 @@ def sampler_row(p, dev, B, new, name, warm, call, floor, step_floor):
                warmup_s=warm_s, **peak_memory(dev))
     if floor:
         row.update(roofline_fraction=floor / seconds, floor_ms_per_step=step_floor * 1e3)
-    if name == "ours CUDA graphs":  # inductor falls back to plain kernel launches, silently, when it cannot capture
+    if name == "ours CUDA graphs":
         from torch._dynamo.utils import counters
-        row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+        # inductor falls back to plain kernel launches, silently, when it cannot capture; and a call that compiles
+        # again (new shapes) pays for it inside the timed call: both counts so far in this process
+        row.update(cudagraph_skips=counters["inductor"]["cudagraph_skips"],
+                   graphs_compiled=counters["stats"]["unique_graphs"])
     p.row(**row)
+    transformers_vs(p)  # after every row: a part stopped at its cap keeps the ratios too
 
 
 def transformers_vs(p):
@@ -509,7 +521,7 @@ def part_suite(p, dev, s):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FORCE_TRITON")}
     start = time.time()
     rc, output = run_capped(cmd, p.left() - 2, env=env, capture=True)
-    print(output[-5000:], flush=True)
+    print(output, flush=True)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next((line.strip("= ") for line in reversed(lines) if " in " in line and (
         "passed" in line or "failed" in line or "error" in line)), lines[-1] if lines else "")
@@ -546,7 +558,8 @@ def run_capped(cmd, seconds, env=None, capture=False, stdout=None):
         out, _ = proc.communicate(timeout=max(seconds, 1))
         return proc.returncode, out or ""
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+            os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, (out or "") + f"\n[stopped at its time cap of {seconds:.0f} s]"
 
@@ -555,7 +568,7 @@ def run_parts(args):
     out, mode = Path(args.out), "cpu-tiny" if args.cpu_tiny else "gpu"
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    results = {"meta": meta(mode, args.budget), "parts": {}}
+    results = {"meta": meta(mode, args.budget, args.commit), "parts": {}}
     scale = args.budget / BUDGET_S
     env = dict(os.environ)
     if mode == "gpu":  # the kernels run compiled, never in the interpreter
@@ -594,14 +607,15 @@ def collect(out, name, rc):
     return part
 
 
-def meta(mode, budget):
+def meta(mode, budget, commit=None):
     def version(name):
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
-    try:  # a copy of the working tree may come without .git
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    try:  # a copy of the working tree (the device tool's) may come without .git: then --commit says it
+        commit = commit or subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
+                                          text=True).stdout
     except OSError:
         commit = ""
     return dict(mode=mode, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -737,6 +751,7 @@ def main():
     ap.add_argument("--out", required=True, help="folder for results.json, results.md and log.txt")
     ap.add_argument("--cpu-tiny", action="store_true", help="every part at tiny shapes on the CPU")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the parts together")
+    ap.add_argument("--commit", help="the commit measured, where no .git came with the files (the device tool's copy)")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # a child: run one part
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
