@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.logger import release_free_memory
+from common.memory import release_free_memory
 
 
 @dataclass

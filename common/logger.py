@@ -1,8 +1,9 @@
 """Metrics: one JSON object per line in runs/<run-name>/metrics.jsonl, and a short line on the console."""
 import json
 import math
-import sys
 from pathlib import Path
+
+from common.memory import peak_rss_gb  # noqa: F401 (algorithm files import it from here)
 
 # What the console line shows, in order, with its short label (the file gets every metric).
 CONSOLE = [("reward/mean", "reward"), ("reward/acc", "acc"), ("response/len_mean", "len"),
@@ -55,37 +56,3 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
-
-
-def release_free_memory():
-    """Hand the heap's freed pages back to the OS (glibc's malloc_trim; a no-op elsewhere). The trainer frees
-    hundreds of MB of gradients and activations in tensors of a few MB, which glibc keeps in its heap, mixed with
-    live memory, rather than returning them; the sampler's KV cache would then come on top of them. Called
-    between the phases of a step, it lowered a default CPU run's peak by about 0.45 GB at no measurable cost;
-    called also before and after each training forward (common.batch), by about 0.1 GB more, for ~1% of the
-    update's time (the pages handed back are faulted in again), and before the embedding's backward
-    (common.model), by 0.1 GB more."""
-    global _libc
-    if _libc is None:
-        try:
-            import ctypes
-
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
-
-
-_libc = None
-
-
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB of 2^30 bytes (Linux and macOS; 0 elsewhere)."""
-    try:
-        import resource
-    except ImportError:
-        return 0.0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB on Linux

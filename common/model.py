@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common.errors import ModelError
 from common.hub import resolve_model_dir
-from common.logger import release_free_memory
+from common.memory import release_free_memory
 from kernels import linear_logprobs_entropy, lm_head_logits
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -30,7 +30,7 @@ from numbers import Integral
 
 import torch
 
-from common.logger import release_free_memory
+from common.memory import release_free_memory
 # the project's one softmax / log-prob / entropy, shared with the trainer's reference ops:
 # softmax_stats(logits [B, V], T) -> (logp [B, V], probs [B, V], entropy [B]); logprobs_entropy gathers from it
 from kernels.reference import logprobs_entropy, softmax_stats

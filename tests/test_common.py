@@ -1,10 +1,13 @@
-"""common/ as a whole: the user errors live in one module, and no two modules of common/ import each other."""
+"""common/ as a whole: the user errors live in one module, no two modules of common/ import each other, and the
+memory helpers."""
 import ast
+import platform
+import sys
 from pathlib import Path
 
 import pytest
 
-from common import errors
+from common import errors, memory
 from common.config import main_guard
 
 COMMON = Path(__file__).resolve().parents[1] / "common"
@@ -55,3 +58,17 @@ def test_common_has_no_import_cycle():
 
     cycles = sorted(m for m in graph if reaches(m, m, set()))
     assert not cycles, f"import cycles through {cycles}: {({m: sorted(graph[m]) for m in cycles})}"
+
+
+def test_peak_rss_is_in_gb_and_the_heap_trim_finds_glibc():
+    """Fails when the peak is read in the wrong unit (KiB on Linux, bytes on macOS), or when glibc's malloc_trim
+    is not found where it exists (the trainer's peak would silently grow)."""
+    touched = b"x" * (300 * 2**20)  # 300 MiB, written: resident
+    assert 0.3 <= memory.peak_rss_gb() < 64
+    del touched
+    memory.release_free_memory()
+    if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+        assert memory._LIBC is not None
+    from common.logger import peak_rss_gb
+
+    assert peak_rss_gb is memory.peak_rss_gb
