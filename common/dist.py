@@ -101,7 +101,7 @@ def wrap(model, fsdp: bool = False):
     if not is_distributed():
         return model
     if fsdp:
-        # FSDP2's modules are imported only where they are used: they take seconds to import
+        # imported here: FSDP2 only, and they take seconds to import
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         # the mesh on the model's own device type: left to itself FSDP2 picks CUDA whenever a GPU is visible,
@@ -131,7 +131,8 @@ def full_state_dict(model) -> dict:
     """Every parameter whole, on every rank (a collective under FSDP2)."""
     if not is_sharded(model):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # FSDP2 only: seconds to import
+    # imported here: FSDP2 only, and it takes seconds to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
@@ -145,14 +146,16 @@ def optimizer_state(model, optimizer) -> dict:
     """The optimizer's state as one whole dict (gathered under FSDP2; only rank 0's copy is complete)."""
     if not is_sharded(model):
         return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # FSDP2 only: seconds to import
+    # imported here: FSDP2 only, and it takes seconds to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(model, optimizer, state: dict):
     if not is_sharded(model):
         return optimizer.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # FSDP2 only: seconds to import
+    # imported here: FSDP2 only, and it takes seconds to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
