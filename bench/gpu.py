@@ -96,7 +96,7 @@ PLAN = [("ceilings", 20), ("sampler", 220), ("train", 90), ("kernels", 90), ("su
 BUDGET_S = 540
 # rough seconds one GPU measurement needs (compiling included): what a part checks against its time left
 NEED_S = {"eager": 10, "graphs first": 90, "graphs": 40, "transformers": 30, "train": 25, "logits": 10,
-          "loss": 5, "kernels table": 60, "suite": 30}
+          "loss": 5, "kernels table": 60, "suite": 30, "profile": 15}
 CPU_SKIP = "skipped-on-CPU"
 
 
@@ -191,6 +191,18 @@ def kernel_seconds(fn, dev, grad_to_none=()):
         return do_bench(fn, grad_to_none=list(grad_to_none), return_mode="median") / 1e3
     fn()
     return statistics.median(wall(fn, dev) for _ in range(5))
+
+
+def profile_table(fn, dev, rows=15):
+    """The ops one call spends its time in (torch.profiler; device time on CUDA): what a gap to a roof goes to, from
+    the same run, since a lent GPU's minutes leave no time for a second one."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(dev)
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 def reset_peak(dev):
@@ -312,7 +324,7 @@ def part_sampler(p, dev, s):
     cfg, dtype = model_config("0.5b", p.tiny), torch.bfloat16 if dev.type == "cuda" else torch.float32
     ours = random_model(cfg, dev, dtype).eval()
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
-    p.data.update(model="Qwen2.5-0.5B shapes", dtype=str(dtype), weight_bytes=weight_bytes, prompt=s["prompt"],
+    p.data.update(model="Qwen2.5-0.5B shapes", dtype=str(dtype).removeprefix("torch."), weight_bytes=weight_bytes, prompt=s["prompt"],
                   new=s["new"], sampling="T=1, no top-k/top-p, no stop")
     with tempfile.TemporaryDirectory() as tmp:
         hf, why = load_transformers_twin(ours, tmp)
@@ -340,6 +352,13 @@ def part_sampler(p, dev, s):
                     sampler_row(p, dev, B, s["new"], name, warm, call, floor, step_floor)
                 if failed:
                     broken.add(name)
+    B = max(s["sampler_batches"])
+    if p.fits(f"profile of ours eager B={B}", "profile"):
+        with p.attempt(f"profile of ours eager B={B}"):
+            prompts = torch.randint(0, cfg.vocab_size, (B, s["prompt"])).tolist()
+            short = sampler_variants(ours, None, prompts, min(32, s["new"]), dev)["ours eager"][1]
+            p.data["profiles"] = {f"ours eager, B={B}, {min(32, s['new'])} new tokens": profile_table(short, dev)}
+            p.save()
 
 
 def sampler_row(p, dev, B, new, name, warm, call, floor, step_floor):
@@ -428,6 +447,10 @@ def train_one(p, dev, s, size, checkpointing, rate):
     seconds = wall(lambda: [micro_step(model, b, adv, dev, autocast) for _ in range(k)], dev) / k
     opt_s = wall(optimizer_step, dev)
     params = sum(t.numel() for t in model.parameters())
+    if size == "1.5b" and p.fits(f"profile of {size} checkpointing={checkpointing}", "profile"):  # the MFU goal's size
+        text = profile_table(lambda: micro_step(model, b, adv, dev, autocast), dev)
+        p.data.setdefault("profiles", {})[f"{size} checkpointing={checkpointing}, one micro-batch"] = text
+        optimizer.zero_grad(set_to_none=True)
     p.row(model=size, checkpointing=checkpointing, params=params, fwd_tokens=fwd_tokens, loss_tokens=loss_tokens,
           tokens_per_s=fwd_tokens / seconds, micro_batch_s=seconds, optimizer_step_s=opt_s,
           mfu=flops / seconds / rate if rate else None, tflops_per_s=flops / seconds / 1e12, **peak_memory(dev))
@@ -660,6 +683,8 @@ def markdown(results):
         lines += SECTIONS[name](part) if part["rows"] else []
         lines += [f"- skipped {s['what']}: {s['why']}" for s in part["skipped"]]
         lines += [f"- {note}" for note in part["notes"]]
+        for title, text in part.get("profiles", {}).items():  # folded: long, and read only to explain a gap
+            lines += ["", f"<details><summary>profile: {title}</summary>", "", "```", text.rstrip(), "```", "</details>"]
     lines += ["", "## Goals (issue 39)", ""] + goals(parts)
     return "\n".join(lines) + "\n"
 
@@ -716,7 +741,7 @@ def goals(parts):
     big = max((r for r in rows.get("sampler", []) if r["variant"] != "transformers"),
               key=lambda r: (r["batch"], r["tokens_per_s"]), default={})
     one = sampler(min((r["batch"] for r in rows.get("sampler", [])), default=None), "ours CUDA graphs")
-    mfu = max((r["mfu"] or 0 for r in rows.get("train", []) if r["model"] == "1.5b"), default=None)
+    mfu = max((r["mfu"] for r in rows.get("train", []) if r["model"] == "1.5b" and r.get("mfu")), default=None)
     fwd = next((r.get("of_copy") for r in rows.get("kernels", []) if r["op"] == "logprobs_entropy fwd"), None)
     suite = next((r["summary"] for r in rows.get("suite", [])), None)
     checks = [(f"largest batch, ours ({big.get('variant')}) >= 5x transformers", big.get("vs_transformers"), 5),

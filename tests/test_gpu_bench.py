@@ -50,6 +50,11 @@ def test_cpu_tiny_run_reports_every_part(tmp_path):
     assert "| device | torch | Triton | transformers | date | commit | wall s |" in md
     assert f"| {results['meta']['device']} | {results['meta']['torch']} | " in md
     assert "## Goals (issue 39)" in md and "| 1.5b | True | 198 |" in md
+    # where the time goes, from the same run: the eager sampler at the largest batch, a 1.5b micro-batch
+    assert list(parts["sampler"]["profiles"]) == ["ours eager, B=4, 16 new tokens"]
+    assert list(parts["train"]["profiles"]) == ["1.5b checkpointing=True, one micro-batch",
+                                                "1.5b checkpointing=False, one micro-batch"]
+    assert md.count("<details><summary>profile: ") == 3 and "aten::mm" in md
     assert sorted(f.name for f in out.iterdir()) == ["log.txt", "results.json", "results.md"]  # parts merged
 
 
