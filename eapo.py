@@ -13,16 +13,21 @@ One step: λ_k = λ_0 max(0, 1 - k/T). Sample G completions per prompt; the firs
 π_RL decodes alongside them (its own KV cache, never on ordinary ones) and at each token whose policy entropy
 (at the sampling temperature) exceeds τ, with probability λ_k, the policy's draw becomes a draft that speculative
 sampling (Chen et al. 2023, arXiv 2302.01318) accepts with min(1, π_RL/π_old) or replaces from the residual, so
-the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. The trainer's
-scoring pass gives π_old; with the stored log π_RL it rebuilds each token's behaviour probability
-μ = (1 - λ) π_old + λ π_RL (μ = π_old off the critical points), and the clipped loss of every token is weighted
-by ω = sg(π_old / μ).
+the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. Each token's behaviour
+probability is μ = (1 - λ) π_old + λ π_RL at the critical points of augmented completions, μ = π_old elsewhere,
+and the clipped loss of every token is weighted by ω = sg(π_old / μ) (is_weights: what it corrects and what not).
 
 Only the paper's abstract and figure captions are public: the annealing shape, the form of the adapted
 importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are our
 reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
 (as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ, π_RL's
 entropy as the criterion, and a single ratio π_θ / μ inside the clip (variants the reconstruction leaves open).
+
+The paper's ablations as switches: without importance sampling, --is-level none (ω ≡ 1; Fig. 4b, "the
+components are complementary"); Pos-Only, --pos-only (only correct augmented completions keep their loss;
+Fig. 3a); the annealing length, --anneal-steps T (Fig. 4a); the threshold, --tau or --tau-quantile (Fig. 2).
+--is-level sequence weights a completion by the product of its ω_t (truncated at --seq-cap), the correction
+the per-token ω lacks beyond one decision (is_weights).
 """
 import copy
 import math
@@ -61,10 +66,17 @@ class Config:
     train_size: int = 2000  # problems generated for arith (ignored for data files)
     # rollouts
     steps: int = 15  # training steps
-    prompts_per_step: int = 8  # B: prompts per step (across all ranks)
+    # The CPU defaults below (16 x 8 rollouts, 48 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
+    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and the
+    # next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
+    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps the
+    # budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the 300
+    # held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96), not the
+    # trained model's (its answers are short): read a gain with the budget it was measured at.
+    prompts_per_step: int = 16  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
-    max_new_tokens: int = 96  # L_max: completion budget in tokens
-    eval_max_new_tokens: int = 0  # evaluations decode max(this, max_new_tokens) tokens
+    max_new_tokens: int = 48  # L_max: completion budget in tokens
+    eval_max_new_tokens: int = 64  # evaluations decode max(this, max_new_tokens) tokens
     temperature: float = 0.8  # T_s: sampling temperature; the trainer scores logits / T_s too
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
@@ -80,7 +92,7 @@ class Config:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
-    micro_batch: int = 16  # completions per forward/backward (gradient accumulation; no effect on the math)
+    micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
     warmup_steps: int = 3  # linear warm-up from 0
@@ -95,7 +107,7 @@ class Config:
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
-    eval_size: int = 100  # held-out problems per evaluation
+    eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
     eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
     # EAPO: experience from a prior RL policy π_RL
@@ -106,16 +118,20 @@ class Config:
     augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = half of --group-size
     tau: float = -1.0  # τ: critical tokens have policy entropy > τ (nats, at --temperature); -1 = calibrate
     tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies (our choice)
-    omega_cap: float = 0.0  # C_ω: truncate ω = π_old / μ at this value (0 = no truncation)
+    is_level: str = "token"  # adapted IS weight ω: token (π_old / μ per token), sequence (their product), none (ω = 1)
+    omega_cap: float = 0.0  # C_ω: truncate the per-token ω = π_old / μ at this value (0 = no truncation)
+    seq_cap: float = 2.0  # --is-level sequence: truncate a completion's product of ω at this value (our choice)
     pos_only: bool = False  # drop the loss of incorrect augmented completions (EAPO Fig. 3a's "Pos-Only")
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
-               "schedule": ["linear", "cosine", "constant"]}
+               "schedule": ["linear", "cosine", "constant"], "is_level": ["token", "sequence", "none"]}
 
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
 RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
+# and EAPO's experience: the prior and the schedule that takes its tokens
+EAPO_FIXED = ("prior", "lam0", "anneal_steps", "schedule")
 
 
 def validate(cfg: Config):
@@ -144,8 +160,8 @@ def validate(cfg: Config):
     check(0 <= cfg.lam0 <= 1 and cfg.anneal_steps >= 0, "lam0/anneal_steps", "0 <= lam0 <= 1 and anneal_steps >= 0")
     check(-1 <= cfg.augmented <= cfg.group_size, "augmented", f"-1 (half) or 0..{cfg.group_size} (the group size)")
     check(cfg.tau == -1 or cfg.tau >= 0, "tau", "-1 (calibrate) or an entropy >= 0 in nats")
-    check(0 < cfg.tau_quantile < 1 and (cfg.omega_cap == 0 or cfg.omega_cap >= 1), "tau_quantile/omega_cap",
-          "0 < tau_quantile < 1 and omega_cap 0 (off) or >= 1")
+    check(0 < cfg.tau_quantile < 1 and (cfg.omega_cap == 0 or cfg.omega_cap >= 1) and cfg.seq_cap >= 1,
+          "tau_quantile/omega_cap/seq_cap", "0 < tau_quantile < 1, omega_cap 0 (off) or >= 1 and seq_cap >= 1")
     # the policy's draw is the speculative draft: it must come from the whole softmax π_old
     check(cfg.top_p == 1 or cfg.lam0 == 0, "top_p", "1 (EAPO drafts from the untruncated policy)")
 
@@ -155,6 +171,9 @@ def check_resume(cfg: Config, saved: dict):
     for name in RESUME_FIXED:
         check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
               f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+    for name in EAPO_FIXED:
+        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the experience the run trains on)")
 
 
 def check_context(model, tok, problems, cfg):
@@ -263,12 +282,28 @@ def behaviour_logp(old_logp, rl_logp, lam: float, eligible):
     return torch.where(eligible, mixture, old_logp)
 
 
-def is_weights(old_logp, mu_logp, cap: float = 0.0):
-    """ω_t = sg(π_old(a_t) / μ_t(a_t)), the behaviour correction outside the clipped ratio (EAPO's adapted
-    importance sampling; our choice of the exact form: the paper gives only its name). Without clipping,
-    ω_t ρ_t = π_θ / μ_t, the per-token IS surrogate of the true behaviour policy. cap > 0 truncates ω at
-    C_ω (our choice, off by default: truncation trades the unbiasedness for variance)."""
-    w = torch.exp(old_logp - mu_logp).detach()  # exactly 1 where μ = π_old
+def is_weights(old_logp, mu_logp, level: str = "token", cap: float = 0.0, seq_ids=None):
+    """EAPO's adapted importance weight ω [n_tok] (abstract: "adapted importance sampling"; our choice of the form,
+    the paper gives only its name), a constant factor on each token's clipped loss (token_loss's `weights`).
+    old_logp, mu_logp [n_tok]: log π_old and log μ of each emitted token (equal where μ = π_old, so log ω = 0
+    exactly off the critical points and on ordinary completions); seq_ids [n_tok]: each token's completion.
+        token:     ω_t = min(sg(π_old(a_t) / μ_t(a_t)), C)
+        sequence:  ω_t = min(Π_{s in y} π_old(a_s) / μ_s(a_s), C)   for every token t of completion y
+        none:      ω_t = 1                                          (the ablation without IS, EAPO Fig. 4b)
+    cap C: 0 = none. What the per-token ω corrects: the distribution of the token chosen at a state, so that
+    ω_t ρ_t = π_θ / μ_t is the IS surrogate of that one decision; exact for a single decision (test_6). What it
+    does not: the states. An injected token changes every later state, and the reward depends on the whole
+    completion, so with more than one decision per completion the per-token weights leave a bias toward π_RL's
+    paths (test_6b, an exactly enumerated two-step toy). The product over the completion is the full trajectory
+    ratio π_old(y) / μ(y): unbiased untruncated, at a variance that grows with the critical tokens per completion;
+    its cap bounds that variance and gives back some bias."""
+    log_w = (old_logp - mu_logp).detach()  # [n_tok]
+    if level == "none":
+        return torch.ones_like(log_w)
+    if level == "sequence":  # the sum of a completion's log-ratios, back on each of its tokens
+        n_seq = int(seq_ids.max()) + 1 if len(seq_ids) else 0
+        log_w = log_w.new_zeros(n_seq).index_add_(0, seq_ids, log_w)[seq_ids]
+    w = log_w.exp()
     return w.clamp(max=cap) if cap > 0 else w
 
 
@@ -285,7 +320,7 @@ class PriorMix:
     the draft. Where the position is critical (the policy's entropy at the sampling temperature > τ) and a
     coin of probability λ says inject, speculative resampling turns it into a draw from π_RL (at the same
     temperature: our choice, so that π_RL's tokens are scored like the policy's). Returns the emitted tokens
-    and per-token extras: rl_logp (log π_RL of the token), mu_logp (log μ, sampler numerics), eligible,
+    and per-token extras: old_logp, rl_logp (log π_old, log π_RL of the token), mu_logp (log μ), eligible,
     injected, resampled (the draft was rejected) and kl (KL(π_old || π_RL) at the position, full vocabulary)."""
 
     def __init__(self, lam: float, tau: float, temperature: float, seed: int, device="cpu"):
@@ -307,7 +342,7 @@ class PriorMix:
         old_logp = logp_old.gather(-1, tokens[:, None])[:, 0]
         rl_logp = logp_rl.gather(-1, tokens[:, None])[:, 0]
         return tokens, {
-            "rl_logp": rl_logp, "mu_logp": behaviour_logp(old_logp, rl_logp, self.lam, eligible),
+            "old_logp": old_logp, "rl_logp": rl_logp, "mu_logp": behaviour_logp(old_logp, rl_logp, self.lam, eligible),
             "eligible": eligible, "injected": injected, "resampled": injected & rejected,
             "kl": (p_old * (logp_old - logp_rl)).sum(-1),
         }
@@ -356,20 +391,60 @@ def eapo_metrics(lam, tau, groups, aug, correct, x, omega) -> dict:
     aug, correct [N] over all completions of the step; x, omega over the kept ones' tokens."""
     entropies = torch.cat([s.entropies for g in groups for s in g])
     m = {"eapo/lambda": lam, "eapo/tau": tau, "eapo/eligible_share": (entropies > tau).float().mean().item(),
-         "eapo/resampled_ratio": 0.0}
+         "eapo/resampled_ratio": 0.0, "eapo/prior_tokens": 0.0}
     if aug.any():
         samples = [s for g in groups for s in g]
+        # EAPO's extra sampling work: the tokens π_RL decoded alongside (against perf/sampled_tokens, the policy's)
+        m["eapo/prior_tokens"] = float(sum(len(s.tokens) for s, a in zip(samples, aug.tolist()) if a))
         m["eapo/resampled_ratio"] = resampled_ratio([s.extras["resampled"] for s in samples], aug.tolist())
         m["eapo/injected_ratio"] = resampled_ratio([s.extras["injected"] for s in samples], aug.tolist())
         m["eapo/acc_augmented"] = correct[aug].mean().item()
-        m["eapo/acc_ordinary"] = correct[~aug].mean().item() if not aug.all() else 0.0
+        if not aug.all():  # absent, not 0, when every completion is augmented (--augmented G)
+            m["eapo/acc_ordinary"] = correct[~aug].mean().item()
     if x and x["aug"].any():  # over the kept augmented completions' tokens
         on_aug = x["aug"]  # [n_tok]
-        m["eapo/omega_mean"], m["eapo/omega_max"] = omega[on_aug].mean().item(), omega[on_aug].max().item()
+        critical = on_aug & x["eligible"]  # where ω can differ from 1 (under sequence: its completion's product)
+        if critical.any():
+            m["eapo/omega_mean"], m["eapo/omega_max"] = omega[critical].mean().item(), omega[critical].max().item()
         # our choice: the exact KL(π_old || π_RL) over the vocabulary, at the augmented rows' positions (the
         # prior never runs on ordinary rows); the paper's Fig. 3b plots a KL whose target is cut off
         m["eapo/kl_prior"] = x["kl"][on_aug].mean().item()
     return m
+
+
+# -------------------------------------------------------------------------------------------- loss
+
+def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
+    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
+    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    return policy_loss(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+                       entropy=entropy, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap or None, **kw)
+
+
+def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
+    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    old_logp = old_logp.detach()
+    if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
+        log_ratio = logp - old_logp
+    else:  # GSPO §4 (GSPO-token): every token of completion i takes s_i = exp(mean log-ratio), gradient s_i ∇log π_θ
+        n_seq = int(seq_ids.max()) + 1
+        seq_sum = logp.new_zeros(n_seq).index_add_(0, seq_ids, (logp - old_logp).detach())
+        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids] + logp - logp.detach()
+    ratio = log_ratio.exp()
+    # the clipped surrogate (PPO eq. 7) per token, as GRPO's objective (arXiv 2402.03300 §4.1.1, eq. 3), with DAPO's
+    # clip-higher (arXiv 2503.14476 §3.1): ε_high > ε_low leaves an unlikely token more room to rise
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = loss * weights
+    if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
+        loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
+    if ref_logp is not None:  # k3 estimate of KL(π_θ || π_ref), GRPO eq. 4; the clamp keeps exp() finite
+        x = (ref_logp - logp).clamp(-10, 10)
+        loss = loss + cfg.kl_coef * (x.exp() - x - 1)
+    loss = loss - cfg.entropy_coef * entropy  # the entropy bonus
+    ratio = ratio.detach()
+    return loss, (ratio < 1 - cfg.eps_low) & (adv < 0), (ratio > 1 + cfg.eps_high) & (adv > 0)
 
 
 # ------------------------------------------------------------------------------------------ update
@@ -378,7 +453,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
     (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    kernels.policy_loss (weights, shaped, ...). Returns summed diagnostics."""
+    token_loss (weights, ...). Returns summed diagnostics."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
@@ -409,12 +484,11 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
                         extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
                     if cfg.tis_cap:
-                        extra.update(sampler_logp=b.sampler_logp[tok].to(device), tis_cap=cfg.tis_cap)
+                        extra["sampler_logp"] = b.sampler_logp[tok].to(device)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
-                    loss_tok, clip_low, clip_high = policy_loss(
-                        logp, old, tok_adv[tok].to(device), cfg.eps_low, cfg.eps_high, ref_logp=ref, kl_coef=cfg.kl_coef,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, **extra)
+                    loss_tok, clip_low, clip_high = token_loss(logp, old, tok_adv[tok].to(device), entropy, cfg,
+                                                               ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
                 with torch.no_grad():  # diagnostics
@@ -600,7 +674,7 @@ def main(argv=None):
         # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
         # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
         old_logp = ref_logp = None
-        if cfg.epochs * cfg.mini_batches > 1 or aug_rows:  # EAPO rebuilds μ from this π_old
+        if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         if ref_model is not None:
             ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -611,13 +685,17 @@ def main(argv=None):
         if cfg.pos_only:  # after the advantages, which see the whole group; out of every denominator too
             b.skip = torch.where(pos_only_dropped(correct, aug), b.lengths, b.skip)
 
-        # ---- EAPO's adapted importance sampling: μ from the trainer's π_old and the stored log π_RL, so that
-        # numerator and denominator of ω share numerics; ω = 1 exactly off the critical points
+        # ---- EAPO's adapted importance weight ω (is_weights), from the π_old and μ the sampler drew each token with.
+        # our choice: the sampler's numbers, not a rescoring by the trainer: π_old / μ is then the exact ratio of
+        # the distributions that drew the tokens, and no extra forward is needed (grpo.py skips it with μ = M = 1);
+        # the sampling copy's own mismatch to the trainer is --tis-cap's, as in grpo.py
         x, omega, loss_kw = {}, None, None
         if aug_rows:
             x = flat_extras(groups, keep_tok)
             x["aug"] = aug.repeat_interleave(b.lengths)
-            omega = is_weights(old_logp, behaviour_logp(old_logp, x["rl_logp"], lam, x["eligible"]), cfg.omega_cap)
+            seq_ids = torch.arange(len(b.tokens)).repeat_interleave(b.lengths)  # [n_tok] each token's completion
+            cap = cfg.seq_cap if cfg.is_level == "sequence" else cfg.omega_cap
+            omega = is_weights(x["old_logp"], x["mu_logp"], cfg.is_level, cap, seq_ids)
             loss_kw = {"weights": omega}
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler

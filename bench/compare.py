@@ -240,7 +240,7 @@ def run_summary(cfg: Config, algo: str, seed: int) -> dict:
             train_s += r["perf/step_s"]
         if "eval/greedy_acc" in r:
             curve.append((r["step"], rollouts, train_s, r["eval/greedy_acc"]))
-    lam = [r["step"] for r in rows if r.get("eapo/lambda") == 0.0]
+    lam = [r["step"] - 1 for r in rows if r.get("eapo/lambda") == 0.0]  # T: λ_k = 0 from k = T, i.e. step T + 1
     info = json.loads((run_dir / "compare.json").read_text())
     return {"rollouts": rollouts, "tok_sampled": tok_sampled, "tok_trained": tok_trained, "train_s": train_s,
             "wall_s": info["wall_s"], "curve": curve, "anneal_end": lam[0] if lam else None,

@@ -1,7 +1,9 @@
 """EAPO (eapo.py): the properties its reconstruction must keep, numbered as in the test list of the notes
 (1: no injection is GRPO; 2: the λ schedule; 3: speculative resampling emits π_RL; 4: eligibility; 5: μ and ω;
-6: unbiasedness; 7: first mini-batch; 8: resampled ratio; 9: --pos-only; 10: the prior is frozen and only
+6: what ω corrects (one decision) and what it does not (two); 7: first mini-batch; 8: resampled ratio; 9: --pos-only; 10: the prior is frozen and only
 follows augmented rows)."""
+import inspect
+import itertools
 import math
 from pathlib import Path
 
@@ -11,7 +13,6 @@ import torch
 import eapo
 from common.model import ModelConfig, Transformer
 from common.sampler import Companion, draw, generate, softmax_stats
-from kernels import policy_loss
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -142,19 +143,34 @@ def test_5_mu_and_omega():
     assert eapo.is_weights(old, one, cap=2.0).max() <= 2.0 < eapo.is_weights(old, one).max()
 
 
-# ------------------------------------------------------------------------------- 6. unbiasedness
+def test_5_is_levels_sequence_is_the_truncated_product_none_is_one():
+    """--is-level sequence: every token of a completion carries the product of its ω_t, truncated at the cap;
+    none: ω ≡ 1 (the ablation without IS)."""
+    old = torch.tensor([-1.0, -0.5, -2.0, -0.1, -3.0])
+    mu = torch.tensor([-1.5, -0.5, -1.0, -0.4, -3.0])
+    seq = torch.tensor([0, 0, 1, 1, 2])
+    per_token = eapo.is_weights(old, mu)
+    product = torch.stack([per_token[seq == i].prod() for i in range(3)])[seq]
+    torch.testing.assert_close(eapo.is_weights(old, mu, "sequence", 0.0, seq), product)
+    torch.testing.assert_close(eapo.is_weights(old, mu, "sequence", 1.2, seq), product.clamp(max=1.2))
+    assert product.max() > 1.2 and product.min() < 1  # the cap acts, and only from above
+    assert torch.equal(eapo.is_weights(old, mu, "none", 0.0, seq), torch.ones(5))
 
-def test_6_one_step_bandit_is_weighted_gradient_is_unbiased():
-    """A 6-armed bandit, softmax policy θ, every position critical, λ = 0.6, C_ω = ∞, no clip. The Monte-Carlo
-    mean of the loss gradient from augmented samples (ω through kernels.policy_loss) matches the exact
-    on-policy gradient -∇ E_π[r]; without ω the same samples are biased toward π_RL's arms."""
+
+# ------------------------------------------------------------------ 6. what ω corrects, and what it does not
+
+def test_6_per_token_omega_is_unbiased_for_a_one_token_completion():
+    """A one-step property: a 6-armed bandit (a completion of one token), softmax policy θ, every position
+    critical, λ = 0.6, C_ω = ∞, no clip. The Monte-Carlo mean of the loss gradient from augmented samples (ω
+    through eapo.token_loss) matches the exact on-policy gradient -∇ E_π[r]; without ω the same samples are
+    biased toward π_RL's arms. Beyond one token the per-token ω is biased: test_6b."""
     theta = torch.tensor([0.5, -0.2, 0.1, 0.8, -1.0, 0.0], requires_grad=True)
     p_rl = torch.tensor([0.05, 0.40, 0.05, 0.05, 0.40, 0.05])
     reward = torch.tensor([1.0, 0.0, 0.5, 0.2, 1.0, 0.0])
     p = theta.detach().softmax(-1)
     exact = -(p * (reward - (p * reward).sum()))  # -∇θ Σ π r for a softmax
 
-    N = 400_000
+    N, no_clip = 400_000, eapo.Config(eps_low=1.0, eps_high=math.inf)
     draft = draw(p.expand(N, -1), torch.Generator().manual_seed(0))
     mix = eapo.PriorMix(0.6, tau=-1.0, temperature=1.0, seed=1)
     a, x = mix(0, draft, theta.detach().expand(N, -1), p_rl.log().expand(N, -1), torch.arange(N))
@@ -162,7 +178,7 @@ def test_6_one_step_bandit_is_weighted_gradient_is_unbiased():
     def grad(weights):
         theta.grad = None
         logp = torch.log_softmax(theta, -1)[a]  # [N]
-        loss, _, _ = policy_loss(logp, logp.detach(), reward[a], eps_low=1.0, eps_high=float("inf"), weights=weights)
+        loss, _, _ = eapo.token_loss(logp, logp.detach(), reward[a], torch.zeros(N), no_clip, weights=weights)
         loss.mean().backward()
         return theta.grad.clone()
 
@@ -173,16 +189,75 @@ def test_6_one_step_bandit_is_weighted_gradient_is_unbiased():
     assert (naive - exact).abs().max() > 0.05  # the test can tell a missing correction
 
 
+def two_step_toy_bias(lam: float, level: str) -> tuple[float, float]:
+    """The exact expected gradient of EAPO's loss on a two-step, three-token toy, through eapo.py's own
+    behaviour_logp, is_weights and token_loss, every position critical, ρ = 1: a tabular policy (θ[0] gives
+    a_1, θ[1 + a_1] gives a_2), a fixed π_RL, a reward on the pair. All 9 completions are enumerated, each
+    weighted by its behaviour probability μ(a_1) μ(a_2 | a_1). Returns (|true gradient|, |bias|)."""
+    theta = torch.tensor([[0.3, -0.4, 0.9], [0.5, 0.0, -0.6], [-0.2, 0.7, 0.1], [1.0, -0.5, 0.2]],
+                         dtype=torch.float64, requires_grad=True)
+    rl_first = torch.tensor([0.1, 0.7, 0.2], dtype=torch.float64)
+    rl_second = torch.tensor([[0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3]], dtype=torch.float64)
+    reward = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
+    cfg, expected_loss, objective = eapo.Config(), 0.0, 0.0
+    for a1, a2 in itertools.product(range(3), range(3)):
+        logp = torch.stack([theta[0].log_softmax(-1)[a1], theta[1 + a1].log_softmax(-1)[a2]])  # [2]
+        old = logp.detach()
+        mu = eapo.behaviour_logp(old, torch.stack([rl_first[a1], rl_second[a1, a2]]).log(), lam,
+                                 torch.ones(2, dtype=torch.bool))
+        omega = eapo.is_weights(old, mu, level, 0.0, torch.zeros(2, dtype=torch.long))
+        loss, _, _ = eapo.token_loss(logp, old, reward[a1, a2].expand(2), torch.zeros(2, dtype=torch.float64), cfg,
+                                     weights=omega)
+        expected_loss = expected_loss + mu.sum().exp() * loss.sum()  # E_μ of the summed token losses
+        objective = objective + logp.sum().exp() * reward[a1, a2]  # E_π[r]
+    true = -torch.autograd.grad(objective, theta, retain_graph=True)[0]
+    return float(true.norm()), float((torch.autograd.grad(expected_loss, theta)[0] - true).norm())
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.5])
+def test_6b_two_step_toy_per_token_omega_is_biased_the_sequence_product_is_not(lam):
+    """A documented property of our reconstruction (is_weights): the per-token ω corrects the distribution of
+    each chosen token, not of the states earlier injected tokens led to, nor of the later tokens the reward
+    also depends on. Exactly enumerated, the per-token ω leaves a bias about as large as the gradient itself
+    (0.17 against 0.17 at λ = 1, 0.09 at λ = 0.5), no ω a larger one (0.73, 0.26); the untruncated product over
+    the completion (--is-level sequence) none (float32 rounding of the fused loss). Fails if is_weights' sequence
+    level loses the product (e.g. per token again), or if the per-token ω became the trajectory ratio."""
+    norm, token = two_step_toy_bias(lam, "token")
+    _, none = two_step_toy_bias(lam, "none")
+    _, sequence = two_step_toy_bias(lam, "sequence")
+    assert norm == pytest.approx(0.166, abs=1e-3)
+    assert token > 0.4 * norm and none > token
+    assert sequence < 1e-6
+
+
 # ------------------------------------------------------------------------------- 7. first mini-batch
 
-def test_7_first_minibatch_ratio_is_one_and_gradient_scales_with_omega():
+def test_7_token_loss_is_grpos_and_weights_each_token_by_omega():
+    """eapo.py's loss is grpo.py's token_loss (and its plain twin), verbatim: EAPO's change is only ω, passed as
+    `weights`. With ρ = 1 (the first mini-batch) nothing is clipped and the gradient is -ω A per token; ω ≡ 1
+    (--is-level none, or no critical token) is grpo.py's loss exactly."""
+    import grpo
+
+    assert inspect.getsource(eapo.token_loss) == inspect.getsource(grpo.token_loss)
+    assert inspect.getsource(eapo.token_loss_plain) == inspect.getsource(grpo.token_loss_plain)
+    cfg = eapo.Config()
     logp = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
     omega = torch.tensor([1.0, 0.25, 3.0, 1.7])
-    loss, low, high = policy_loss(logp, logp.detach(), adv, 0.2, 0.28, weights=omega)
+    loss, low, high = eapo.token_loss(logp, logp.detach(), adv, torch.zeros(4), cfg, weights=omega)
     loss.sum().backward()
     assert not low.any() and not high.any()  # ρ = 1: nothing clipped
     torch.testing.assert_close(logp.grad, -omega * adv)
+    # off the first mini-batch, against the plain lines in float64: ω multiplies the clipped surrogate
+    new = torch.tensor([-0.7, -2.5, -0.5, -2.9], dtype=torch.float64)
+    old64, adv64, w64 = logp.detach().double(), adv.double(), omega.double()
+    ratio = (new - old64).exp()
+    hand = -w64 * torch.minimum(ratio * adv64, ratio.clamp(0.8, 1.28) * adv64)
+    torch.testing.assert_close(eapo.token_loss_plain(new, old64, adv64, torch.zeros(4, dtype=torch.float64), cfg,
+                                                     weights=w64)[0], hand)
+    ones = eapo.is_weights(old64, new, "none", 0.0, torch.zeros(4, dtype=torch.long))
+    assert torch.equal(eapo.token_loss(logp, old64.float(), adv, torch.zeros(4), cfg, weights=ones.float())[0],
+                       grpo.token_loss(logp, old64.float(), adv, torch.zeros(4), cfg)[0])
 
 
 # ------------------------------------------------------------------------------ 8. resampled ratio
@@ -378,15 +453,20 @@ def test_1_tau_infinite_samples_grpo_tokens_with_omega_1(in_tmp, models, monkeyp
 
 def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
     """Three steps with T = 2 and every token critical (τ = 0): the prior follows only the augmented rows and is
-    never given a gradient (10), tokens get resampled at step 1, λ halves at step 2 and is 0 at step 3."""
+    never given a gradient (10), tokens get resampled at step 1, λ halves at step 2 and is 0 at step 3. ω comes
+    from the sampler's numbers: no scoring pass over the batch (fails if it came back, as grpo.py skips it)."""
     calls = recording(monkeypatch, eapo)
+    scored = []
+    monkeypatch.setattr(eapo, "trainer_logprobs", lambda *a, **kw: scored.append(1) or (_ for _ in ()).throw(
+        AssertionError("a scoring pass ran")))
     eapo.main(run_args(models, "--steps", "3", "--run-name", "s", "--prior", str(models[1]), "--tau", "0",
                        "--anneal-steps", "2"))
     rows = rows_of("s")
     assert [rows[k]["eapo/lambda"] for k in (1, 2, 3)] == [1.0, 0.5, 0.0]
     assert rows[1]["eapo/resampled_ratio"] > 0 and rows[3]["eapo/resampled_ratio"] == 0
     assert rows[1]["eapo/injected_ratio"] == 1.0 and rows[1]["eapo/kl_prior"] > 0
-    assert rows[1]["eapo/omega_max"] != 1.0
+    assert rows[1]["eapo/omega_max"] != 1.0 and not scored
+    assert rows[1]["eapo/prior_tokens"] == 8 and rows[3]["eapo/prior_tokens"] == 0  # 2 x 4 augmented, 1 token each
     # 7: the first mini-batch's ratio is exactly 1 (the scoring pass's π_old is the update's own π_θ)
     assert rows[1]["policy/approx_kl"] == 0 and rows[1]["policy/clipfrac_high"] == rows[1]["policy/clipfrac_low"] == 0
     (_, c1), (_, c2), (_, c3) = calls
@@ -412,6 +492,81 @@ def test_resume_gives_the_same_run(in_tmp, models):
     assert full[3]["eapo/lambda"] > 0
     for step in (3, 4):
         assert strip(cut[step]) == strip(full[step]), step
+
+
+@pytest.mark.parametrize("level", ["none", "sequence"])
+def test_is_level_reaches_the_update(in_tmp, models, monkeypatch, level):
+    """--is-level none gives the update ω ≡ 1 (the ablation without IS, EAPO Fig. 4b); sequence one weight per
+    completion, the truncated product of its per-token ω (fails if the flag were parsed but not used)."""
+    seen = []
+    real_update = eapo.update
+    monkeypatch.setattr(eapo, "update", lambda *a, **kw: seen.append((a[3], a[-1])) or real_update(*a, **kw))
+    eapo.main(run_args(models, "--steps", "1", "--run-name", level, "--prior", str(models[1]), "--tau", "0",
+                       "--is-level", level, "--max-new-tokens", "3"))
+    b, loss_kw = seen[0]
+    w = loss_kw["weights"]
+    if level == "none":
+        assert torch.equal(w, torch.ones_like(w))
+    else:
+        per_seq = w.split(b.lengths.tolist())
+        assert all((s == s[0]).all() for s in per_seq) and w.max() <= 2.0  # --seq-cap's default
+        assert any(s[0] != 1 for s in per_seq)  # some augmented completion got a weight
+
+
+def test_resume_refuses_another_prior_or_schedule(in_tmp, models, capsys):
+    """A resumed run keeps its experience: another π_RL, λ_0 or T is one line naming the option (fails without
+    the check: the run would go on with another prior or schedule)."""
+    import shutil
+
+    common = run_args(models, "--prior", str(models[1]), "--run-name", "r", "--tau", "0")
+    eapo.main([*common, "--steps", "1"])
+    another = str(shutil.copytree(models[1], in_tmp / "another_prior"))
+    for option, value in (("--prior", another), ("--lam0", "0.5"), ("--anneal-steps", "3")):
+        code, err = run_cli(capsys, *common, "--steps", "2", "--resume", option, value)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and option in err, err
+    assert sorted(rows_of("r")) == [1]  # nothing trained or logged after the refusals
+
+
+def test_metrics_omega_over_critical_tokens_and_no_ordinary_accuracy_without_ordinary_responses():
+    """eapo/omega_mean and omega_max read the critical tokens only (ω = 1 elsewhere would dilute the mean), and
+    eapo/acc_ordinary is absent, not 0, when every completion is augmented (fails on either old reading)."""
+    from common.sampler import Sample
+
+    def sample(n):
+        flags = torch.zeros(n, dtype=torch.bool)
+        return Sample(tokens=[5] * n, logprobs=torch.zeros(n), entropies=torch.ones(n), finished=True,
+                      extras={"resampled": flags, "injected": flags})
+
+    groups = [[sample(3), sample(2)]]
+    x = {"aug": torch.ones(5, dtype=torch.bool), "eligible": torch.tensor([True, False, False, True, False]),
+         "kl": torch.zeros(5)}
+    omega = torch.tensor([0.5, 1.0, 1.0, 0.25, 1.0])
+    m = eapo.eapo_metrics(1.0, 0.5, groups, torch.tensor([True, True]), torch.tensor([1.0, 0.0]), x, omega)
+    assert m["eapo/omega_mean"] == pytest.approx(0.375) and m["eapo/omega_max"] == 0.5
+    assert m["eapo/acc_augmented"] == 0.5 and "eapo/acc_ordinary" not in m
+    m = eapo.eapo_metrics(1.0, 0.5, groups, torch.tensor([True, False]), torch.tensor([1.0, 0.0]), x, omega)
+    assert m["eapo/acc_ordinary"] == 0.0 and m["eapo/acc_augmented"] == 1.0
+    x["eligible"][:] = False  # no critical token: no ω to report
+    assert "eapo/omega_mean" not in eapo.eapo_metrics(1.0, 0.5, groups, torch.tensor([True, True]),
+                                                      torch.tensor([1.0, 0.0]), x, omega)
+
+
+def test_compare_reads_the_annealing_length_T(tmp_path):
+    """bench/compare.py's EAPO claim names T: λ is 0 from step T + 1 (k = step - 1 = T), so a run with eapo.py's
+    default --anneal-steps reports that value (it reported T + 1)."""
+    import json
+
+    from bench import compare
+
+    cfg = compare.Config(runs_dir=str(tmp_path))
+    run = tmp_path / compare.run_name(cfg, "eapo", 0)
+    run.mkdir(parents=True)
+    T = eapo.Config.anneal_steps
+    lines = [{"step": s, "eapo/lambda": eapo.injection_prob(s - 1, 1.0, T), "perf/step_s": 1.0,
+              "perf/sampled_tokens": 1.0, "perf/train_tok_s": 1.0, "perf/train_s": 1.0} for s in range(1, 16)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (run / "compare.json").write_text(json.dumps({"wall_s": 1.0}))
+    assert compare.run_summary(cfg, "eapo", 0)["anneal_end"] == T
 
 
 def recording_correct(monkeypatch):
