@@ -88,7 +88,8 @@ def test_a_part_stopped_or_crashed_keeps_its_rows(tmp_path):
     rc, output = gpu.run_capped([sys.executable, "-c", "import time; time.sleep(60)"], 1, capture=True)
     assert rc is None and "time cap" in output and time.time() - start < 30
     stopped = gpu.collect(tmp_path, "train", rc)
-    assert stopped["status"] == "stopped at its time cap" and stopped["rows"] == [{"model": "0.5b", "tokens_per_s": 1.0}]
+    assert stopped["status"] == "stopped at its time cap"
+    assert stopped["rows"] == [{"model": "0.5b", "tokens_per_s": 1.0}]
     assert gpu.collect(tmp_path, "train", -11)["status"].startswith("crashed (exit code -11")
     assert gpu.collect(tmp_path, "kernels", 1)["rows"] == []  # nothing saved at all: an empty part, not an exception
 
