@@ -688,7 +688,10 @@ def markdown(results):
         for title, text in part.get("profiles", {}).items():  # folded: long, and read only to explain a gap
             lines += ["", f"<details><summary>profile: {title}</summary>", "", "```", text.rstrip(), "```",
                       "</details>"]
-    lines += ["", "## Goals (issue 39)", ""] + goals(parts)
+    lines += ["", "## Goals (issue 39)", ""]
+    if m["mode"] == "cpu-tiny":
+        lines += ["(tiny shapes on a CPU: these lines check the script, not the code's speed)", ""]
+    lines += goals(parts)
     return "\n".join(lines) + "\n"
 
 
