@@ -326,10 +326,11 @@ def part_sampler(p, dev, s):
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
     p.data.update(model="Qwen2.5-0.5B shapes", dtype=str(dtype).removeprefix("torch."), weight_bytes=weight_bytes,
                   prompt=s["prompt"], new=s["new"], sampling="T=1, no top-k/top-p, no stop")
-    with tempfile.TemporaryDirectory() as tmp:
+    hf = None
+    with p.attempt("transformers generate"), tempfile.TemporaryDirectory() as tmp:  # a failed load: ours still runs
         hf, why = load_transformers_twin(ours, tmp)
-    if hf is None:
-        p.skip("transformers generate", why)
+        if hf is None:
+            p.skip("transformers generate", why)
     if dev.type != "cuda":
         p.skip("ours CUDA graphs", f"{CPU_SKIP}: compile=True captures CUDA graphs")
     else:  # what the floor does not count, and the fixed-shape step costs

@@ -122,3 +122,19 @@ def test_flop_and_byte_counts_by_hand():
     kv = 2 * 2 * 2 * 16 * 2 * 2
     steps = 4 * 1000 + kv * (8 + 9 + 10 + 11)
     assert gpu.generate_floor(cfg, 1000, 2, 8, 4, 1.0, float("inf"), 2) == (1000 + steps, steps / 4)
+
+
+def test_without_transformers_the_sampler_part_says_so(tmp_path, monkeypatch):
+    """The GPU machine may lack transformers: its comparison is skipped with a line saying why, ours still measured
+    (fails if the missing import ends the part)."""
+    import torch
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` raises ImportError
+    part = gpu.Part("sampler", tmp_path, time.time() + 120, tiny=True)
+    gpu.part_sampler(part, torch.device("cpu"), dict(gpu.SHAPES["cpu-tiny"], sampler_batches=[2], new=4))
+    assert [(r["batch"], r["variant"]) for r in part.data["rows"]] == [(2, "ours eager")]
+    assert part.data["skipped"][0]["what"] == "transformers generate"
+    assert part.data["skipped"][0]["why"].startswith("transformers is not installed here")
+    md = gpu.markdown({"meta": dict(mode="cpu-tiny", device="cpu", torch="t", triton="t", transformers="-", date="d",
+                                    commit="c"), "parts": {"sampler": dict(part.data, elapsed_s=1.0)}})
+    assert "- skipped transformers generate: transformers is not installed here" in md
