@@ -17,9 +17,22 @@ policy practises finishing from a promising partial solution. The prefix is cont
 The host: grpo.py with its defaults, plus ExTra's dual clip (c = 10) in token_loss. The paper's recipe also has a k3
 KL of 0.001 to the initial model (--kl-coef 0.001); not a default, so that the comparison with grpo.py is on equal terms.
 
-Left out: the paper embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the policy's own final
-hidden states, mean-pooled, stand in for it (no second model). Under torchrun the memories would be per rank,
-so the mechanisms refuse to run there (the host alone runs). The rest as in grpo.py.
+Left out: the paper embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the initial policy, frozen,
+stands in for it (mean-pooled final hidden states, centred on the mean embedding of the training problem statements;
+no second model to download). Under torchrun the memories would be per rank, so the mechanisms refuse to run there
+(the host alone runs). The rest as in grpo.py.
+
+Ablations, as switches: each component off or varied alone. The paper's ablation table was not public when this was
+written; these rerun the ablations in the authors' scripts (curiosity only, regeneration only, α and τ sweeps, a later
+warm-up) and the two forms of the bonus their code offers:
+    --no-regen                    novelty bonus only (the recipe's "curiosity only")
+    --no-novelty                  prefix regeneration only
+    --no-novelty --no-regen       the host: GRPO with the dual clip (and --dual-clip 0: grpo.py's loss exactly)
+    --novelty-mode before         Option A: the bonus joins the reward before the group normalisation
+    --alpha 0.05, --alpha 0.2     the bonus scale (paper: 0.1)
+    --tau 1.0, --tau 0            broader prefix-score smoothing; none (the raw MTE's argmin)
+    --regen-warmup 200            regeneration starts later (paper-scale; default here 2)
+    --no-cuttable-only            the paper's rule: cut only the most confident rollout, even without a line break
 """
 import copy
 import math
@@ -29,6 +42,7 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from common import checkpoint, dist
 from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
@@ -114,12 +128,12 @@ class Config:
     # ExTra (ii): entropy-guided prefix regeneration, §3.2
     regen: bool = True  # queue prompt ++ prefix of hard prompts' most confident rollouts as new groups
     regen_warmup: int = 2  # steps before regeneration starts (ExTra recipe: 30 of 300); nothing stored, queued or injected
-    regen_rows: int = 2  # guided prompts per step, replacing the last rows of the batch (ExTra recipe: 16 of 512)
+    regen_rows: int = 1  # guided prompts per step, replacing the batch's last rows (recipe: 16 of 512 = 3%; here 1 of 16)
     queue_size: int = 8  # guided prompts waiting for a batch; on overflow the oldest go (ExTra recipe: 512)
     boundary_gap: int = 8  # least tokens between cut points (ExTra recipe: 32, for answers of thousands of tokens)
     max_prefixes: int = 15  # cut points per rollout, spread evenly
     prefix_memory: int = 128  # prefixes remembered per prompt
-    tau: float = 0.1  # τ: temperature of the similarity smoothing of prefix scores
+    tau: float = 0.1  # τ: temperature of the similarity smoothing of prefix scores; 0 = no smoothing (raw MTE)
     cuttable_only: bool = True  # cut the most confident rollout that has a line break (ExTra: the most confident)
     max_prompt_len: int = 2048  # guided prompts (prompt ++ prefix) are cut to this many tokens, head kept
 
@@ -156,8 +170,8 @@ def validate(cfg: Config):
     for name in ("memory_size", "tail_tokens", "embed_tokens", "boundary_gap", "max_prefixes", "prefix_memory",
                  "max_prompt_len"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    check(cfg.alpha >= 0 and cfg.novelty_lambda >= 0 and cfg.tau > 0, "alpha/novelty_lambda/tau",
-          "alpha >= 0, novelty_lambda >= 0 and tau > 0")
+    check(cfg.alpha >= 0 and cfg.novelty_lambda >= 0 and cfg.tau >= 0, "alpha/novelty_lambda/tau",
+          "alpha >= 0, novelty_lambda >= 0 and tau >= 0")
     check(cfg.regen_rows >= 0 and cfg.queue_size >= 0 and cfg.regen_warmup >= 0, "regen_rows/queue_size/regen_warmup",
           "non-negative integers")
     check(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "0 (off) or a number > 1")
@@ -503,8 +517,11 @@ def prefix_mte(entropies: torch.Tensor, cuts: list[int]) -> torch.Tensor:
 
 def select_prefix(emb: torch.Tensor, mte: torch.Tensor, tau: float) -> int:
     """The stored prefix with the lowest similarity-smoothed MTE, m̃ = softmax(E Eᵀ / τ) m: a prefix wins
-    with its neighbours, not alone. emb [k, d], mte [k] -> index (the first, i.e. oldest, on ties)."""
-    e = torch.nn.functional.normalize(emb.float(), dim=-1)
+    with its neighbours, not alone. emb [k, d], mte [k] -> index (the first, i.e. oldest, on ties).
+    τ = 0: no smoothing, the raw MTE's argmin (an ablation switch of ours)."""
+    if tau == 0:
+        return int(torch.argmin(mte))
+    e = F.normalize(emb.float(), dim=-1)
     smoothed = torch.softmax(e @ e.T / tau, dim=1) @ mte.float()  # [k]
     return int(torch.argmin(smoothed))
 
@@ -559,24 +576,23 @@ def cut_rollout(tokens: list, entropies: list, nl_ids: set, min_gap: int, max_cu
 
 def regenerate(state: dict, hard_rows: list, embed_fn, nl_ids: set, cfg) -> tuple[list, int]:
     """ExTra §3.2 for the step's hard prompts. hard_rows: (context, answer, tokens [G lists], entropies [G
-    tensors]) per hard row. Each cuts its most confident rollout into prefixes, stores them (ids, MTE,
-    embedding) in its prompt's prefix memory, and queues prompt ++ the memory's best prefix.
+    tensors]) per hard row. Each cuts its most confident rollout into prefixes and stores them (ids, MTE,
+    embedding) in its prompt's prefix memory; then every hard prompt whose memory holds prefixes, cut now or on an
+    earlier visit, queues prompt ++ the memory's best prefix (as the official code's _enqueue_guided_prompts).
     Returns (the queue items, prefixes stored)."""
-    picked = []
-    for context, answer, tokens, entropies in hard_rows:
-        j, cuts = cut_rollout(tokens, entropies, nl_ids, cfg.boundary_gap, cfg.max_prefixes, cfg.cuttable_only)
-        if cuts:
-            picked.append((context, answer, [tokens[j][:b] for b in cuts], prefix_mte(entropies[j], cuts)))
-    prefixes = [p for *_, ps, _ in picked for p in ps]
-    emb = embed_fn([p[:cfg.embed_tokens] for p in prefixes]) if prefixes else None  # [n_prefixes, d]
-    items, at = [], 0
-    for context, answer, ps, mte in picked:
-        memory = state["prefixes"].setdefault(tuple(context), [])
-        memory += [dict(ids=p, mte=float(m), emb=emb[at + i].half()) for i, (p, m) in enumerate(zip(ps, mte))]
-        del memory[:-cfg.prefix_memory]
-        at += len(ps)
-        best = select_prefix(torch.stack([e["emb"] for e in memory]).float(), torch.tensor([e["mte"] for e in memory]), cfg.tau)
-        items.append(dict(context=guided_context(context, memory[best]["ids"], cfg.max_prompt_len), answer=answer))
+    cut = [cut_rollout(tokens, ent, nl_ids, cfg.boundary_gap, cfg.max_prefixes, cfg.cuttable_only)
+           for _, _, tokens, ent in hard_rows]  # (rollout j, its cuts) per row
+    prefixes = [tokens[j][:b] for (_, _, tokens, _), (j, cuts) in zip(hard_rows, cut) for b in cuts]
+    emb = iter(embed_fn([p[:cfg.embed_tokens] for p in prefixes]) if prefixes else [])  # [n_prefixes, d]
+    items = []
+    for (context, answer, tokens, ent), (j, cuts) in zip(hard_rows, cut):
+        memory = state["prefixes"].get(tuple(context), []) + [
+            dict(ids=tokens[j][:b], mte=float(m), emb=next(emb).half()) for b, m in zip(cuts, prefix_mte(ent[j], cuts))]
+        if memory:
+            state["prefixes"][tuple(context)] = memory = memory[-cfg.prefix_memory:]
+            best = select_prefix(torch.stack([m["emb"] for m in memory]).float(), torch.tensor([m["mte"] for m in memory]),
+                                 cfg.tau)
+            items.append(dict(context=guided_context(context, memory[best]["ids"], cfg.max_prompt_len), answer=answer))
     return items, len(prefixes)
 
 
@@ -590,11 +606,33 @@ def novelty_rewards(rewards, correct, d, group, keys, var_ema: dict, cfg) -> tor
     return out
 
 
-def embed_texts(model, seqs, pad_id, autocast) -> torch.Tensor:
-    """Unit embeddings [n, d] fp32 on the CPU of token-id lists, from the policy's pooled final hidden states:
-    our stand-in for the paper's sentence encoder (no second model)."""
+def load_encoder(model_name, device):
+    """Our stand-in for the paper's sentence encoder (all-MiniLM-L6-v2): the initial policy, frozen, so a stored
+    embedding stays comparable with a new one of the same text (the live policy's drift by 1e-5 to 1e-3 after 1-4
+    updates would rival the novelty signal, ~0.01-0.03, uncentred). Our choice: loaded for each step and dropped
+    before the update (the weights are memory-mapped: ~0.1 s to open), so the update's peak holds no second copy."""
+    return Transformer.from_pretrained(model_name, device=device).eval().requires_grad_(False)
+
+
+def embed_texts(encoder, seqs, centre, pad_id, autocast) -> torch.Tensor:
+    """Embeddings [n, d] fp32 on the CPU of token-id lists: the encoder's mean-pooled final hidden states, minus
+    `centre` (the mean embedding of the training problem statements), unit length; an empty list embeds to zeros.
+    Our choice: the centring removes a direction every text shares (~93% of each pooled vector), which shrank every
+    distance ~6x against MiniLM's; centred, SmolLM2's rollouts of one prompt lie a median 0.24 from their nearest
+    sibling (MiniLM: 0.20). Equal lists embed once (the encoder is frozen, so they embed equally)."""
+    unique = list(dict.fromkeys(map(tuple, seqs)))
     with autocast:
-        return embed(model, seqs, pad_id=pad_id).float().cpu()
+        emb = embed(encoder, [list(s) for s in unique], pad_id=pad_id).float().cpu()  # [u, d]
+    if centre is not None:
+        emb = F.normalize(emb - centre, dim=-1) * (emb.norm(dim=-1, keepdim=True) > 0)
+    row = {s: i for i, s in enumerate(unique)}
+    return emb[[row[tuple(s)] for s in seqs]]
+
+
+def statement_centre(encoder, problems, tok, autocast, n: int = 256) -> torch.Tensor:
+    """[d]: the mean embedding of the first n training problem statements (our choice: n bounds the cost on large
+    data files; the mean of a few hundred is already stable)."""
+    return embed_texts(encoder, [tok.encode(p.prompt) for p in problems[:n]], None, tok.pad_id, autocast).mean(0)
 
 
 def new_state() -> dict:
@@ -672,6 +710,7 @@ def main(argv=None):
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    centre = statement_centre(load_encoder(cfg.model, device), train, tok, autocast) if cfg.novelty or cfg.regen else None
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
@@ -703,9 +742,10 @@ def main(argv=None):
         rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
         # ExTra §3.1: novelty of each completion against its prompt's memory (keyed by the exact context) and siblings
         keys, d = [tuple(c) for c in contexts], torch.zeros(len(b.tokens))  # d [N]
+        encoder = load_encoder(cfg.model, device) if cfg.novelty or regen_on else None  # the initial weights, frozen
         if cfg.novelty:
             tails = [response_tail(t, special, cfg.tail_tokens, cfg.embed_tokens) for t in b.tokens]
-            d = group_novelty(extra_state["novelty"], keys, b.group, embed_texts(rollout, tails, tok.pad_id, autocast),
+            d = group_novelty(extra_state["novelty"], keys, b.group, embed_texts(encoder, tails, centre, tok.pad_id, autocast),
                               cfg.memory_size)
             if cfg.novelty_mode == "before":  # Option A: into the reward, before the normalisation
                 rewards = novelty_rewards(rewards, correct, d, b.group, keys, extra_state["var_ema"], cfg)
@@ -734,9 +774,10 @@ def main(argv=None):
             entropy = entropy.split(sub.lengths.tolist())
             rows = [(contexts[r], answers[r], sub.tokens[i * G:(i + 1) * G], entropy[i * G:(i + 1) * G])
                     for i, r in enumerate(hard.nonzero()[:, 0].tolist())]
-            items, stored = regenerate(extra_state, rows, lambda s: embed_texts(rollout, s, tok.pad_id, autocast),
+            items, stored = regenerate(extra_state, rows, lambda s: embed_texts(encoder, s, centre, tok.pad_id, autocast),
                                        nl_ids, cfg)
             extra_state["queue"] = push_queue(extra_state["queue"], items, cfg.queue_size)
+        encoder = None  # dropped before the update, so that its peak holds no second copy of the weights
         t_score = time.time()
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens

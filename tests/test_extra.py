@@ -144,12 +144,39 @@ def test_novelty_warmup_history_duplicates_and_self():  # property 4
     assert torch.equal(extra.group_novelty(memories, [("y",)], group, second, H), torch.zeros(n))
 
 
-def test_novelty_on_policy_embeddings(model):
-    """Embeddings from the policy itself: a text seen before is not novel, a different one is."""
-    seqs = [[5, 6, 7, 8], [5, 6, 7, 8], [900, 901, 33], [77, 78, 79, 80, 81]]
-    emb = extra.embed(model, seqs)
-    d = extra.novelty(emb, emb[:2], n=2)  # the memory holds the first text (twice), not the last two
+def test_embed_texts_frozen_centred(model):
+    """The encoder's embeddings: a text seen before is not novel, a different one is; centred rows are unit length,
+    an empty list stays the zero vector, and equal lists (embedded once) get the same row."""
+    seqs = [[5, 6, 7, 8], [5, 6, 7, 8], [900, 901, 33], [77, 78, 79, 80, 81], []]
+    plain = extra.embed_texts(model, seqs, None, 0, contextlib.nullcontext())
+    centre = plain[2:4].mean(0)
+    emb = extra.embed_texts(model, seqs, centre, 0, contextlib.nullcontext())
+    torch.testing.assert_close(emb[:4].norm(dim=-1), torch.ones(4))
+    assert emb[4].abs().sum() == 0
+    torch.testing.assert_close(emb[:4], torch.nn.functional.normalize(plain[:4] - centre, dim=-1))
+    d = extra.novelty(emb[:4], emb[:2], n=2)  # the memory holds the first text (twice), not the last two
     assert d[0].abs() < 1e-5 and d[1].abs() < 1e-5 and (d[2:] > 0).all()
+
+
+# real SmolLM2 samples (T = 0.8) for "What is 65 + 43 - 51?", four different answers
+SMOLLM2_ANSWERS = [
+    "65 + 43 - 51 = 262\n\nYour answer within \\boxed{} is correct, so no need to add another space.",
+    "To solve this problem, we need to multiply 65 by 43 and find the result.\n\n65 * 43 = 2561, so the answer is 2561.",
+    "Don't use the \\n in place of \\s with curly braces. However, the math is already encapsulated.",
+    "First, 65 + 43 = 108. Then 108 - 51 = 57. So the answer is \\boxed{57}.",
+]
+
+
+def test_novelty_of_distinct_answers_on_smollm2():
+    """On the real SmolLM2, different answers to one prompt lie at least 0.1 from their nearest sibling (MiniLM, the
+    paper's encoder, puts SmolLM2's siblings a median 0.20 apart). Uncentred they lie 0.02-0.08 apart: catches the
+    centring on the problem statements dropped."""
+    tok = Tokenizer.from_pretrained("smollm2")
+    encoder, nothing = extra.load_encoder("smollm2", torch.device("cpu")), contextlib.nullcontext()
+    centre = extra.statement_centre(encoder, extra.load_task("arith", "train", n=16, seed=0), tok, nothing)
+    emb = extra.embed_texts(encoder, [tok.encode(a) for a in SMOLLM2_ANSWERS], centre, tok.pad_id, nothing)
+    d = extra.novelty(emb, emb[:0], n=0)  # nearest sibling, no memory
+    assert (d >= 0.1).all(), d
 
 
 def test_response_tail():
@@ -216,6 +243,35 @@ def test_select_prefix():  # property 7
     assert extra.select_prefix(emb, torch.tensor([0.1, 0.9, 0.9, 0.3]), tau=0.1) == 3
 
 
+def test_select_prefix_without_smoothing():
+    """--tau 0 (ablation): the raw MTE's argmin, where τ = 0.1's smoothing picks the isolated prefix (catches τ = 0
+    falling through to softmax(E Eᵀ / 0))."""
+    emb = torch.tensor([[1.0, 0.0], [0.99, 0.14], [0.98, 0.2], [0.0, 1.0]])
+    assert extra.select_prefix(emb, torch.tensor([0.1, 0.9, 0.9, 0.3]), tau=0.0) == 0
+
+
+ABLATIONS = [  # the module docstring's switches and what each sets
+    (["--no-regen"], dict(novelty=True, regen=False)),
+    (["--no-novelty"], dict(novelty=False, regen=True)),
+    (["--no-novelty", "--no-regen"], dict(novelty=False, regen=False, dual_clip=10.0)),
+    (["--novelty-mode", "before"], dict(novelty_mode="before")),
+    (["--alpha", "0.05"], dict(alpha=0.05)),
+    (["--tau", "0"], dict(tau=0.0)),
+    (["--regen-warmup", "200"], dict(regen_warmup=200)),
+    (["--no-cuttable-only"], dict(cuttable_only=False)),
+]
+
+
+@pytest.mark.parametrize("args,fields", ABLATIONS)
+def test_ablation_switches_documented_and_valid(args, fields):
+    """Each ablation switch is in the module docstring, parses to the fields it names and passes validation."""
+    assert " ".join(args) in extra.__doc__
+    cfg = extra.parse(extra.Config, args)
+    extra.validate(cfg)
+    assert all(getattr(cfg, k) == v for k, v in fields.items())
+    assert extra.Config().regen_rows / extra.Config().prompts_per_step <= 1 / 16  # guided rows: a small share (recipe 3%)
+
+
 def test_guided_context_queue_and_inject():  # properties 8-10 (the parts without a model)
     assert extra.guided_context([1, 2, 3], [4, 5], 10) == [1, 2, 3, 4, 5]
     assert extra.guided_context([1, 2, 3], [4, 5], 4) == [1, 2, 3, 4]  # head kept
@@ -245,8 +301,10 @@ def test_regenerate_stores_selects_and_queues():
     assert items == [dict(context=[1, 2, 7, 8, NL], answer="42")]
     assert abs(state["prefixes"][(1, 2)][0]["mte"] - ent[0][:3].mean().item()) < 1e-6
     cfg.cuttable_only = False
-    items, stored = extra.regenerate(state, [([1, 2], "42", tokens, ent)], fake, {NL}, cfg)
-    assert items == [] and stored == 0  # the paper's rule: the most confident rollout has no break
+    items, stored = extra.regenerate(state, [([1, 2], "42", tokens, ent), ([3], "7", tokens, ent)], fake, {NL}, cfg)
+    # the paper's rule: the most confident rollout has no break, nothing is stored; yet a hard prompt with prefixes
+    # stored on an earlier visit is queued again (as the official code), one without any is not
+    assert stored == 0 and items == [dict(context=[1, 2, 7, 8, NL], answer="42")]
     cfg.cuttable_only = True
     for _ in range(4):
         extra.regenerate(state, [([1, 2], "42", tokens, ent)], fake, {NL}, cfg)
@@ -340,19 +398,40 @@ def test_both_mechanisms_act_in_the_loop(tmp_path, line_model_dir, monkeypatch):
     tok = Tokenizer.from_pretrained(line_model_dir)
     prompt_of = {tuple(tok.prompt(extra.format_question(p))): p.answer
                  for p in extra.load_task(str(host_args(line_model_dir, tmp_path)[3]), "train")}
-    seen = []  # per step: (contexts, n, answers graded per completion, the trained batch)
+    seen = []  # per step: (contexts, n, answers graded per completion, the trained batch, its advantages, novelty, rewards)
     real_generate, real_score, real_update = extra.generate, extra.score, extra.update
-    monkeypatch.setattr(extra, "generate", lambda m, ctx, n, **k: seen.append([ctx, n, [], None]) or real_generate(m, ctx, n, **k))
-    monkeypatch.setattr(extra, "score", lambda t, a: seen[-1][2].append(a) or real_score(t, a))
-    monkeypatch.setattr(extra, "update", lambda pol, m, o, b, *a, **k: seen[-1].__setitem__(3, b) or real_update(pol, m, o, b, *a, **k))
+    real_novelty, real_embed = extra.group_novelty, extra.embed_texts
+    initial = Transformer.from_pretrained(line_model_dir).state_dict()
+
+    def score(text, answer):
+        seen[-1][2].append(answer)
+        seen[-1][6].append(real_score(text, answer))
+        return seen[-1][6][-1]
+
+    def embed_texts(encoder, *a):  # the novelty and the prefixes are embedded by the initial weights, frozen
+        assert all(torch.equal(v, initial[k]) for k, v in encoder.state_dict().items())
+        return real_embed(encoder, *a)
+
+    monkeypatch.setattr(extra, "generate", lambda m, ctx, n, **k: seen.append([ctx, n, [], None, None, None, []]) or real_generate(m, ctx, n, **k))
+    monkeypatch.setattr(extra, "score", score)
+    monkeypatch.setattr(extra, "embed_texts", embed_texts)
+    monkeypatch.setattr(extra, "group_novelty", lambda *a: seen[-1].__setitem__(5, real_novelty(*a)) or seen[-1][5])
+    monkeypatch.setattr(extra, "update", lambda pol, m, o, b, adv, *a, **k: seen[-1].__setitem__(3, b)
+                        or seen[-1].__setitem__(4, adv) or real_update(pol, m, o, b, adv, *a, **k))
     warmup = 1
     extra.main([*host_args(line_model_dir, tmp_path), *EXTRA_ARGS, "--steps", "6", "--run-name", "on",
                 "--queue-size", "3"])
     rows = train_rows(tmp_path, "on")
     seen = [s for s in seen if s[3] is not None]  # training steps only (evaluation samples too)
     assert len(seen) == 6
-    for step, (ctx, n, answers, b) in enumerate(seen, start=1):
+    bonus_paid = False
+    for step, (ctx, n, answers, b, adv, d, correct) in enumerate(seen, start=1):
         r = rows[step]
+        # the update receives GRPO's advantages plus α·d on correct completions (catches the bonus dropped before it)
+        correct = torch.tensor(correct)
+        bonus = 0.1 * d * correct
+        torch.testing.assert_close(adv, extra.group_advantages(correct, b.group, "std") + bonus)
+        bonus_paid |= bool(bonus.any())
         assert r["extra/queue_len"] <= 3
         if step <= warmup:  # property 9: nothing stored, queued or injected before the warm-up ends
             assert r["extra/prefixes_stored"] == r["extra/queue_len"] == r["extra/guided_rows"] == 0
@@ -368,7 +447,7 @@ def test_both_mechanisms_act_in_the_loop(tmp_path, line_model_dir, monkeypatch):
     assert sum(r["extra/guided_rows"] for r in rows.values()) >= 2
     assert sum(r["extra/prefixes_stored"] for r in rows.values()) > 0
     assert max(r["extra/novelty"] for r in rows.values()) > 0 and rows[1]["extra/novelty"] == 0
-    assert max(r["extra/bonus_share"] for r in rows.values()) > 0
+    assert max(r["extra/bonus_share"] for r in rows.values()) > 0 and bonus_paid
 
 
 # A run cut at step 2 by a crash had taken the whole run's rates; asked for 2 steps, it would decay its own last steps
@@ -410,7 +489,7 @@ def test_smoke_default_options(tmp_path, tiny_model_dir, monkeypatch, capsys):
 
 @pytest.mark.parametrize("args,words", [
     (["--memory-size", "2", "--group-size", "4"], ["--memory-size", "at least group_size"]),
-    (["--tau", "0"], ["tau"]),
+    (["--tau", "-1"], ["tau"]),
     (["--dual-clip", "0.5"], ["--dual-clip"]),
     (["--novelty-mode", "sideways"], ["--novelty-mode", "invalid choice"]),
 ])
