@@ -20,7 +20,9 @@ collecting policy and f(w) = w / (w + β) (§4.2, eq. 4). Questions solved by al
 The paper's host is Dr. GRPO (r - group mean, a constant normaliser) with no KL and an entropy bonus of 0.001
 (§3.1, App. D); here the host is grpo.py's defaults, so that the two files compare on equal terms.
 Table 6's ablations are switches: --no-is-correction, --no-policy-shaping, --shaping-beta, --trajectory-choice,
---bucket-weighting question.
+--bucket-weighting question. With the paper's host, two small differences remain: Dr. GRPO's normaliser here is
+sequences x L_max where the authors' code divides by ranks x L_max (a constant factor apart), and the entropy
+bonus is aggregated like the surrogate, not as a token mean.
 
 Under torchrun each rank owns the questions whose index is its rank modulo the world size: it draws its fresh
 questions from them only, and keeps their buffer, buckets and retired set; nothing about the buffer crosses ranks.
@@ -105,7 +107,9 @@ class Config:
     # (Table 6 "highest-entropy trajectory" and "w/o trajectory selection")
     trajectory_choice: str = "lowest-entropy"
     trajectory_score: str = "mean"  # the entropy of a trajectory: the mean (or sum) of its token entropies at T = 1
-    policy_shaping: bool = True  # replayed tokens: -A f(w); off: the fresh tokens' objective (Table 6 "w/o shaping")
+    # replayed tokens: -A f(w); off: the fresh tokens' ratio objective, unclipped once replay has started as the
+    # authors' `no_reshape` is (Table 6 "w/o policy shaping")
+    policy_shaping: bool = True
     shaping_beta: float = 0.1  # β of the shaping f(w) = w / (w + β) (ExGRPO §4.2; the paper's 0.1)
     is_correction: bool = True  # w = π_θ / π_past (collector); off: π_θ / π_θold (Table 6 "w/o IS correction")
     # optimizer
@@ -233,6 +237,13 @@ class Experience:
         self.pool: dict[int, list[Trajectory]] = {}  # E
         self.bucket: dict[int, int] = {}  # question id -> k of its latest collected group
         self.retired: set[int] = set()  # S
+
+    def to_store(self, qid: int, correct: list, completions: list, collect: bool) -> list[bool]:
+        """Which of a group's completions record() may store (correct, not stored yet, 0 < k < K, collecting): the
+        rows whose collection-time log-probs the step must score."""
+        k = sum(bool(c) for c in correct)
+        seen = {t.tokens for t in self.pool.get(qid, [])}
+        return [collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen for ok, t in zip(correct, completions)]
 
     def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool):
         """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
@@ -402,6 +413,16 @@ def with_replayed(groups: list, replay: list, replayed: list, stop_ids) -> list:
     return out
 
 
+def scored_rows(model, b: Batch, rows: torch.Tensor, micro_batch, temperature, pad_id, device, autocast):
+    """The scoring pass over the completions where rows [N] is True: their trainer log-probs in b's flat [n_tok]
+    layout, NaN elsewhere. ExGRPO needs only the rows the buffer stores and those that replay."""
+    out = torch.full((int(b.lengths.sum()),), math.nan)
+    if rows.any():
+        out[rows.repeat_interleave(b.lengths)] = trainer_logprobs(model, b.select(rows), micro_batch, temperature,
+                                                                  pad_id, device, autocast)[0]
+    return out
+
+
 def delayed_start(mixed: bool, batch_acc: float, threshold: float) -> bool:
     """ExGRPO §4.2: mixed-policy training begins after the first step whose batch accuracy (the mean reward over
     all B·K rollouts) is strictly above the threshold, and never stops."""
@@ -453,11 +474,15 @@ def gather(obj) -> list:
 
 # -------------------------------------------------------------------------------------------- loss
 
-def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, shaped=None, **kw):
+def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, replayed=None, past_logp=None, **kw):
     """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
     of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
     old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
-    ExGRPO: shaped [n] bool marks the replayed tokens, whose old_logp is π_past, the collecting policy's."""
+    ExGRPO: replayed [n] bool marks the replayed tokens, past_logp [n] their log-probs under the policy that
+    collected them, π_past."""
+    shaped = replayed if replayed is not None and cfg.policy_shaping else None
+    if replayed is not None and cfg.is_correction:  # importance ratio to π_past (§4.2); Table 6 "w/o IS": to π_θold
+        old_logp = torch.where(replayed, past_logp, old_logp)
     if shaped is not None:  # the clipped surrogate is 0 on replayed tokens; they take -A f(w) below instead
         kw["weights"] = (~shaped).float()
     loss, clipped_low, clipped_high = policy_loss(
@@ -745,33 +770,41 @@ def main(argv=None):
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). ExGRPO always runs
-        # it: they are what the buffer stores (§4.1); replayed tokens take their stored log-probs as π_old (§4.2).
-        # our choice: stored at the sampling temperature, the one every ratio here uses (the paper samples at T = 1)
-        ref_logp = None
-        scored_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
-        replay_tok = is_replay.repeat_interleave(b.lengths)  # [n_tok]
-        # w/o IS correction (Table 6): replayed tokens are measured against π_θold, as fresh ones, not π_past
-        old_logp = torch.where(replay_tok, b.sampler_logp, scored_logp) if cfg.is_correction else scored_logp
+        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
+        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        old_logp = ref_logp = None
+        if cfg.epochs * cfg.mini_batches > 1:
+            old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        if ref_model is not None:
+            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        # ExGRPO: the buffer keeps the trainer's log-probs of the correct rollouts it collects (§4.1): those rows are
+        # scored (and the replayed ones, for w*) unless the pass above scored all. our choice: at the sampling
+        # temperature, the one every ratio here uses (the paper samples at T = 1)
+        store = torch.tensor([s for j, q in enumerate(qids) for s in exp.to_store(
+            q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], mixed)])  # [N]
+        scored_logp = old_logp if old_logp is not None else scored_rows(
+            model, b, store | is_replay, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         tok_logps = scored_logp.split(b.lengths.tolist())
         for j, q in enumerate(qids):  # retire all-correct questions; collect once the delayed start has fired
             rows = range(j * G, (j + 1) * G)
             exp.record(q, [bool(correct[i]) for i in rows], [b.tokens[i] for i in rows], [tok_logps[i] for i in rows],
                        collect=mixed)
-        if ref_model is not None:
-            ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        # replayed rows carry their stored log-probs π_past as 'sampler' log-probs; they were not sampled now, so the
+        # sampler-trainer mismatch (and TIS) sees the trainer's own there
+        replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]
+        b.sampler_logp = torch.where(replay_tok, scored_logp, past_logp)
         t_score = time.time()
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler.
-        # Replayed tokens: -A f(w) (token_loss's `shaped`); fresh tokens: unclipped once mixed training has begun
+        # Replayed tokens: -A f(w) against π_past (token_loss); fresh tokens: unclipped once mixed training has begun
         # (ExGRPO App. D, Table 4), clipped before it (as the authors' code)
         update_cfg = replace(cfg, eps_low=1.0, eps_high=math.inf) if mixed else cfg
-        shaping = {"shaped": replay_tok} if n and cfg.policy_shaping else None
+        replay_kw = {"replayed": replay_tok, "past_logp": past_logp} if n else None
         stats = update(policy, model, optimizer, b, adv, update_cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
-                       loss_kw=shaping)
+                       loss_kw=replay_kw)
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
@@ -792,7 +825,8 @@ def main(argv=None):
         # replayed trajectories were sampled in an earlier step: not this step's sampling work
         metrics["perf/sampled_tokens"] -= b_all.lengths[is_replay].sum().item()
         metrics["perf/sample_tok_s"] = metrics["perf/sampled_tokens"] / (t_sample - t0)
-        metrics.update(exgrpo_metrics(exp, n, B, was_mixed, scored_logp[replay_tok], old_logp[replay_tok],
+        w_old = past_logp if cfg.is_correction else scored_logp  # the denominator of the replayed tokens' ratio
+        metrics.update(exgrpo_metrics(exp, n, B, was_mixed, scored_logp[replay_tok], w_old[replay_tok],
                                       cfg.shaping_beta))
         sums = METRIC_SUMS + EXGRPO_SUMS + tuple(k for k in metrics if k.startswith("exgrpo/bucket_"))
         log.log(step, dist.reduce_metrics(metrics, sums=sums, maxes=METRIC_MAXES))

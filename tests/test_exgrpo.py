@@ -2,6 +2,7 @@
 the reduction to grpo.py's Dr. GRPO step with replay off, resume equivalence with a non-empty buffer, and a
 smoke run of main()."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -277,7 +278,8 @@ def test_trajectory_choice_highest_entropy_and_random():
     assert select(ToyLM(table), exp, [7], [[1, 3]], choice="highest-entropy")[0].tokens == high
     assert select(ToyLM(table), exp, [7], [[1, 3]], choice="lowest-entropy")[0].tokens == low
     g = torch.Generator().manual_seed(0)
-    picks = [select(None, exp, [7, 7], [[1], [1]], choice="random", gen=g) for _ in range(300)]  # model None: no forward
+    # model None: no forward
+    picks = [select(None, exp, [7, 7], [[1], [1]], choice="random", gen=g) for _ in range(300)]
     share = {t: sum(p[0].tokens == t for p in picks) / 300 for t in (low, high, mid)}
     assert all(s == pytest.approx(1 / 3, abs=0.1) for s in share.values())
 
@@ -320,11 +322,17 @@ def test_shaping_function_and_gradient():
     adv = torch.ones(4, dtype=torch.float64)
     shaped = torch.tensor([True, True, True, False])
     cfg = exgrpo.Config(eps_high=0.2)
-    loss, low, high = exgrpo.token_loss(logp, old, adv, torch.zeros(4, dtype=torch.float64), cfg, shaped=shaped)
+    # π_θold of every token is the update's own forward; replayed tokens are measured against past_logp (π_past)
+    loss, low, high = exgrpo.token_loss(logp, logp.detach().clone(), adv, torch.zeros(4, dtype=torch.float64), cfg,
+                                        replayed=shaped, past_logp=torch.where(shaped, old, logp.detach()))
+    fresh_ratio_5 = exgrpo.token_loss(logp, old, adv, torch.zeros(4, dtype=torch.float64), cfg, replayed=shaped,
+                                      past_logp=old)
     w = torch.tensor([1.0, 5.0, 0.01], dtype=torch.float64)
     torch.testing.assert_close(loss[:3].detach().double(), -w / (w + 0.1))
     assert loss[0].item() == pytest.approx(-1 / 1.1)  # f(1) = 1/1.1
-    assert loss[3].item() == pytest.approx(-1.2)  # the fresh token: the clipped surrogate, clip(5) = 1.2
+    assert fresh_ratio_5[0][3].item() == pytest.approx(-1.2)  # a fresh token: the clipped surrogate, clip(5) = 1.2
+    assert fresh_ratio_5[2][3] and not fresh_ratio_5[2][:3].any()  # clipped there (no gradient); replayed never
+    loss, low, high = fresh_ratio_5
     loss.sum().backward()
     # d(-A f(w))/d log π = -A β w / (w + β)^2: 0.1 / 1.21 = 0.0826 at w = 1; never cut by a clip
     assert -logp.grad[0].item() == pytest.approx(0.1 / 1.21, rel=1e-6)
@@ -333,7 +341,7 @@ def test_shaping_function_and_gradient():
     assert logp.grad[3] == 0
     # β is cfg.shaping_beta (ExGRPO Table 6's β option)
     half = exgrpo.token_loss(logp.detach(), old, adv, torch.zeros(4, dtype=torch.float64),
-                             exgrpo.Config(shaping_beta=0.5), shaped=shaped)[0]
+                             exgrpo.Config(shaping_beta=0.5), replayed=shaped, past_logp=old)[0]
     torch.testing.assert_close(half[:3].double(), -w / (w + 0.5))
 
 
@@ -350,17 +358,43 @@ def test_shaped_tokens_keep_kl_and_entropy_and_mechanism_off_is_grpo():
     adv, entropy = torch.randn(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64)
     cfg = exgrpo.Config(kl_coef=0.05, entropy_coef=0.01)
     want = grpo.token_loss(logp, old, adv, entropy, grpo.Config(kl_coef=0.05, entropy_coef=0.01), ref_logp=ref)
-    for shaped in (None, torch.zeros(n, dtype=torch.bool)):
-        got = exgrpo.token_loss(logp, old, adv, entropy, cfg, ref_logp=ref, shaped=shaped)
+    for replayed in (None, torch.zeros(n, dtype=torch.bool)):
+        got = exgrpo.token_loss(logp, old, adv, entropy, cfg, ref_logp=ref, replayed=replayed, past_logp=ref)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     shaped = torch.arange(n) % 3 == 0
-    loss = exgrpo.token_loss(logp, old, adv, entropy, cfg, ref_logp=ref, shaped=shaped)[0]
-    w = (logp.detach() - old).exp()
+    past = old - 0.2  # the replayed tokens' π_past differs from their π_θold
+    loss = exgrpo.token_loss(logp, old, adv, entropy, cfg, ref_logp=ref, replayed=shaped, past_logp=past)[0]
+    w = (logp.detach() - past).exp()
     x = (ref - logp.detach()).clamp(-10, 10)
     hand = -adv * w / (w + cfg.shaping_beta) + 0.05 * (x.exp() - x - 1) - 0.01 * entropy
     torch.testing.assert_close(loss[shaped].detach().double(), hand[shaped])
     torch.testing.assert_close(loss[~shaped], want[0][~shaped])
+
+
+def test_switches_in_token_loss():
+    """ExGRPO Table 6 in the loss: --no-policy-shaping gives replayed tokens grpo.py's objective against π_past;
+    --no-is-correction keeps the shaping but against π_θold. Catches either switch ignored in token_loss."""
+    grpo = pytest.importorskip("grpo")
+    torch.manual_seed(1)
+    n = 10
+    logp = (-torch.rand(n) * 3).requires_grad_()
+    old, past = logp.detach() + 0.1 * torch.randn(n), logp.detach() - 0.7
+    adv, entropy, replayed = torch.randn(n), torch.rand(n), torch.arange(n) % 2 == 0
+    cfg = exgrpo.Config(eps_low=1.0, eps_high=math.inf)  # the mixed phase's unclipped fresh tokens
+    plain = exgrpo.token_loss(logp, old, adv, entropy, replace(cfg, policy_shaping=False), replayed=replayed,
+                              past_logp=past)
+    want = grpo.token_loss(logp, torch.where(replayed, past, old), adv, entropy, grpo.Config(eps_low=1.0,
+                                                                                                 eps_high=math.inf))
+    for a, b in zip(plain, want):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(plain[0][replayed], -adv[replayed] * (logp - past)[replayed].exp())  # -A w, no clip
+    no_is = exgrpo.token_loss(logp, old, adv, entropy, replace(cfg, is_correction=False), replayed=replayed,
+                              past_logp=past)[0]
+    against_old = exgrpo.token_loss(logp, old, adv, entropy, cfg, replayed=replayed, past_logp=old)[0]
+    torch.testing.assert_close(no_is, against_old)
+    assert not torch.allclose(no_is, exgrpo.token_loss(logp, old, adv, entropy, cfg, replayed=replayed,
+                                                       past_logp=past)[0])
 
 
 def test_metrics_use_the_configured_beta():
@@ -450,11 +484,11 @@ def spy_main(monkeypatch, argv):
         return out
 
     def spy_update(policy, model, optimizer, b, adv, cfg, *a, **kw):
-        seen["update"].append((b, cfg.eps_low, cfg.eps_high, a[3].clone(), kw.get("loss_kw")))
+        seen["update"].append((b, cfg.eps_low, cfg.eps_high, a[3], kw.get("loss_kw")))
         return real_update(policy, model, optimizer, b, adv, cfg, *a, **kw)
 
     def spy_loss(logp, old, adv, entropy, cfg, **kw):
-        seen["loss"].append((logp.detach().clone(), old.clone(), kw.get("shaped")))
+        seen["loss"].append((cfg.policy_shaping, cfg.is_correction, kw.get("replayed")))
         return real_loss(logp, old, adv, entropy, cfg, **kw)
 
     for name, spy in (("step_questions", spy_questions), ("select_trajectories", spy_select), ("update", spy_update),
@@ -480,32 +514,29 @@ def test_smoke_main_replays_at_a_temperature(in_tmp, soft_model_dir, monkeypatch
     replay_steps = [r for r in steps if r["exgrpo/replay_share"] > 0]
     assert all(0 < r["exgrpo/f_w_mean"] < 1 and r["exgrpo/w_mean"] > 0 for r in replay_steps)
     assert all(sum(r[f"exgrpo/bucket_{k}"] for k in range(1, 4)) == r["exgrpo/buffer_questions"] for r in steps)
-    scored = {}  # completion tokens -> the π_old log-probs of the step that sampled them (fresh rows)
+    sampled = {}  # completion tokens -> the sampler's log-probs (at T_s) of the step that sampled them
     n_replayed = 0
     for (b, eps_low, eps_high, old_logp, loss_kw), (qids, replay), chosen in zip(seen["update"], seen["questions"],
                                                                                 seen["selected"]):
         assert torch.equal(torch.bincount(b.group), torch.full((4,), 4))  # B groups of G
         assert (eps_low, eps_high) == (1.0, math.inf)  # mixed phase: fresh tokens unclipped
+        assert old_logp is None  # μ = M = 1: the update's own forward is π_old, no full scoring pass
         starts = (torch.cumsum(b.lengths, 0) - b.lengths).tolist()
         span = [slice(st, st + n) for st, n in zip(starts, b.lengths.tolist())]
         replayed_rows = [4 * j for j, r in enumerate(replay) if r]  # the replayed trajectory leads its group
         assert len(chosen) == len(replayed_rows) and bool(loss_kw) == bool(chosen)
         for i, (tokens, stored) in zip(replayed_rows, chosen):
-            assert tuple(b.tokens[i]) == tokens and loss_kw["shaped"][span[i]].all()
-            torch.testing.assert_close(old_logp[span[i]], stored, atol=0, rtol=0)  # π_past
-            # ...which is the scoring pass, at T_s, of the step that sampled it
-            torch.testing.assert_close(stored, scored[tokens], atol=0, rtol=0)
+            assert tuple(b.tokens[i]) == tokens and loss_kw["replayed"][span[i]].all()
+            torch.testing.assert_close(loss_kw["past_logp"][span[i]], stored, atol=0, rtol=0)  # π_past
+            # ...the trainer's log-probs when it was sampled, at T_s: the sampler's then, up to the kernels' rounding
+            torch.testing.assert_close(stored, sampled[tokens], atol=2e-4, rtol=0)
             n_replayed += 1
         if loss_kw:
-            assert int(loss_kw["shaped"].sum()) == sum(int(b.lengths[i]) for i in replayed_rows)
+            assert int(loss_kw["replayed"].sum()) == sum(int(b.lengths[i]) for i in replayed_rows)
         for i in set(range(len(b.tokens))) - set(replayed_rows):
-            scored.setdefault(tuple(b.tokens[i]), old_logp[span[i]])
+            sampled.setdefault(tuple(b.tokens[i]), b.sampler_logp[span[i]])
     assert n_replayed > 0
-    # 9: on fresh tokens π_old is the trainer's own forward (ratio exactly 1 on the first mini-batch);
-    # replayed tokens are measured against their stored log-probs, which differ
-    for logp, old, shaped in seen["loss"]:
-        fresh = ~shaped if shaped is not None else torch.ones_like(logp, dtype=torch.bool)
-        torch.testing.assert_close(logp[fresh], old[fresh], atol=1e-5, rtol=0)
+    assert len([t for sel in seen["selected"] for t in sel]) == n_replayed
     state = trainer_state(in_tmp / "runs/smoke/checkpoint")["extra"]["exgrpo"]
     assert len(state) == 1 and state[0]["mixed"] and state[0]["buffer"]["pool"]
 
@@ -535,18 +566,16 @@ def test_retirement_in_the_loop(in_tmp, soft_model_dir, monkeypatch):
 
 
 def test_ablations_no_shaping_no_is_correction(in_tmp, soft_model_dir, monkeypatch):
-    """ExGRPO Table 6: --no-policy-shaping gives replayed tokens the fresh tokens' objective (token_loss never gets
-    `shaped`), --no-is-correction measures them against π_θold (the scoring pass), not the stored π_past, so every
-    token's ratio is 1 on the first mini-batch. Catches either switch being ignored."""
+    """ExGRPO Table 6 end to end: the switches reach token_loss at replay steps, and with --no-is-correction the
+    replayed tokens' logged ratio w* is 1 (against π_θold, not the stored π_past). Catches the loop ignoring
+    --no-is-correction; test_switches_in_token_loss catches token_loss ignoring either."""
     seen = spy_main(monkeypatch, ["--model", str(soft_model_dir), "--run-name", "abl", "--steps", "3", "--start-acc",
                                   "-1", "--prompts-per-step", "4", *RUN[2:], "--no-policy-shaping",
                                   "--no-is-correction", "--trajectory-choice", "random", "--bucket-weighting",
                                   "question"])
     assert sum(map(len, seen["selected"])) > 0  # replay happened (random trajectories of uniformly drawn questions)
-    assert all(kw is None for *_, kw in seen["update"])
-    assert all(shaped is None for *_, shaped in seen["loss"])
-    for logp, old, _ in seen["loss"]:
-        torch.testing.assert_close(logp, old, atol=1e-5, rtol=0)
+    assert any(replayed is not None for *_, replayed in seen["loss"])
+    assert all((shaping, correction) == (False, False) for shaping, correction, _ in seen["loss"])
     steps = [r for r in rows(in_tmp / "runs/abl/metrics.jsonl") if "exgrpo/w_mean" in r]
     assert steps and all(r["exgrpo/w_mean"] == pytest.approx(1.0, abs=1e-5) for r in steps)
 
@@ -634,7 +663,8 @@ def test_mixed_loss_is_padding_free_and_divided_by_a_constant(soft_model_dir):
                             eps_high=math.inf, max_grad_norm=1e9, loss_agg="seq-mean-token-sum-norm")  # the paper's
         before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        exgrpo.update(model, model, opt, b, adv, cfg, 0, cpu, no_autocast, old, None, loss_kw={"shaped": shaped})
+        exgrpo.update(model, model, opt, b, adv, cfg, 0, cpu, no_autocast, None, None,
+                      loss_kw={"replayed": shaped, "past_logp": old})
         return torch.nn.utils.parameters_to_vector(model.parameters()).detach() - before
 
     one, eight, long = step(1, 12), step(8, 12), step(8, 24)
