@@ -164,7 +164,8 @@ def validate(cfg: Config):
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
     check(0 <= cfg.replay_ratio <= 1, "replay_ratio", "a share of the batch in [0, 1]")
-    check(cfg.bucket_sigma > 0 and cfg.shaping_beta > 0, "bucket_sigma/shaping_beta", "positive numbers")
+    check(cfg.bucket_sigma > 0, "bucket_sigma", "a positive number")
+    check(cfg.shaping_beta > 0, "shaping_beta", "a positive number")
     # retired (all-correct) and all-wrong groups are part of the buffer's bookkeeping: every group must be seen
     check(not cfg.dynamic_sampling, "dynamic_sampling", "off (ExGRPO keeps every group)")
 
