@@ -115,7 +115,7 @@ class Config:
     lam0: float = 1.0  # λ_0: probability of taking a critical token from π_RL at step 1 (our choice: 1)
     anneal_steps: int = 8  # T: λ reaches 0 after T steps, then the run is plain GRPO (our choice: ~half the run)
     schedule: str = "linear"  # shape of λ_k from λ_0 to 0: linear, cosine, or constant (λ_0 until T)
-    augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = half of --group-size
+    augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = a quarter of --group-size
     tau: float = -1.0  # τ: critical tokens have policy entropy > τ (nats, at --temperature); -1 = calibrate
     tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies (our choice)
     is_level: str = "token"  # adapted IS weight ω: token (π_old / μ per token), sequence (their product), none (ω = 1)
@@ -158,7 +158,7 @@ def validate(cfg: Config):
     check(cfg.prior != "", "prior", "a checkpoint of an earlier RL run of this model, e.g. "
           "`python grpo.py --run-name prior` then `python eapo.py --prior runs/prior/checkpoint`")
     check(0 <= cfg.lam0 <= 1 and cfg.anneal_steps >= 0, "lam0/anneal_steps", "0 <= lam0 <= 1 and anneal_steps >= 0")
-    check(-1 <= cfg.augmented <= cfg.group_size, "augmented", f"-1 (half) or 0..{cfg.group_size} (the group size)")
+    check(-1 <= cfg.augmented <= cfg.group_size, "augmented", f"-1 (a quarter) or 0..{cfg.group_size} (the group size)")
     check(cfg.tau == -1 or cfg.tau >= 0, "tau", "-1 (calibrate) or an entropy >= 0 in nats")
     check(0 < cfg.tau_quantile < 1 and (cfg.omega_cap == 0 or cfg.omega_cap >= 1) and cfg.seq_cap >= 1,
           "tau_quantile/omega_cap/seq_cap", "0 < tau_quantile < 1, omega_cap 0 (off) or >= 1 and seq_cap >= 1")
@@ -290,13 +290,14 @@ def is_weights(old_logp, mu_logp, level: str = "token", cap: float = 0.0, seq_id
         token:     ω_t = min(sg(π_old(a_t) / μ_t(a_t)), C)
         sequence:  ω_t = min(Π_{s in y} π_old(a_s) / μ_s(a_s), C)   for every token t of completion y
         none:      ω_t = 1                                          (the ablation without IS, EAPO Fig. 4b)
-    cap C: 0 = none. What the per-token ω corrects: the distribution of the token chosen at a state, so that
-    ω_t ρ_t = π_θ / μ_t is the IS surrogate of that one decision; exact for a single decision (test_6). What it
-    does not: the states. An injected token changes every later state, and the reward depends on the whole
-    completion, so with more than one decision per completion the per-token weights leave a bias toward π_RL's
-    paths (test_6b, an exactly enumerated two-step toy). The product over the completion is the full trajectory
-    ratio π_old(y) / μ(y): unbiased untruncated, at a variance that grows with the critical tokens per completion;
-    its cap bounds that variance and gives back some bias."""
+    cap C: 0 = none. What the per-token ω corrects: the distribution of the token drawn at a state, so that
+    ω_t ρ_t = π_θ / μ_t is the IS surrogate of that one draw, exact when the completion is that one token
+    (tests/test_eapo.py, test_6's bandit). What it does not correct: the rest of the completion. An injected
+    token changes every later state, and the reward scores the whole completion, whose other tokens μ drew too;
+    so beyond one token the per-token weights leave a bias (test_6b: an exactly enumerated
+    two-step toy, a bias as large as the gradient at λ = 1). The product over the completion is the whole
+    ratio π_old(y) / μ(y): unbiased untruncated, with a variance that grows with the critical tokens of a
+    completion; its cap bounds the variance and gives back some bias."""
     log_w = (old_logp - mu_logp).detach()  # [n_tok]
     if level == "none":
         return torch.ones_like(log_w)
@@ -624,8 +625,10 @@ def main(argv=None):
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
-    # our choice: G_e = G / 2 by default, so that every group keeps on-policy completions as an anchor
-    G_e = G // 2 if cfg.augmented < 0 else cfg.augmented
+    # our choice (the paper's split is not public): G_e = G / 4, at least 1. π_RL decodes alongside every augmented
+    # completion, so G_e sets EAPO's extra sampling work (eapo/prior_tokens): a quarter keeps a step within 1.2x
+    # of grpo.py's on a CPU, a half would not; the other completions are every group's on-policy anchor
+    G_e = max(1, G // 4) if cfg.augmented < 0 else cfg.augmented
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0

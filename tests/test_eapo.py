@@ -466,11 +466,12 @@ def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
     assert rows[1]["eapo/resampled_ratio"] > 0 and rows[3]["eapo/resampled_ratio"] == 0
     assert rows[1]["eapo/injected_ratio"] == 1.0 and rows[1]["eapo/kl_prior"] > 0
     assert rows[1]["eapo/omega_max"] != 1.0 and not scored
-    assert rows[1]["eapo/prior_tokens"] == 8 and rows[3]["eapo/prior_tokens"] == 0  # 2 x 4 augmented, 1 token each
+    # π_RL's work: G / 4 = 2 augmented completions of each of 2 prompts, one token each; none once λ = 0
+    assert rows[1]["eapo/prior_tokens"] == 4 and rows[3]["eapo/prior_tokens"] == 0
     # 7: the first mini-batch's ratio is exactly 1 (the scoring pass's π_old is the update's own π_θ)
     assert rows[1]["policy/approx_kl"] == 0 and rows[1]["policy/clipfrac_high"] == rows[1]["policy/clipfrac_low"] == 0
     (_, c1), (_, c2), (_, c3) = calls
-    assert c1.rows == c2.rows == eapo.augmented_rows(2, 8, 4) and c3 is None
+    assert c1.rows == c2.rows == eapo.augmented_rows(2, 8, 2) and c3 is None
     assert all(not p.requires_grad and p.grad is None for p in c1.model.parameters())
     state = torch.load(in_tmp / "runs" / "s" / "checkpoint" / "trainer.pt", weights_only=False)
     assert state["extra"]["eapo"]["tau"] == 0.0
@@ -594,7 +595,7 @@ def test_9_pos_only_in_the_loop(in_tmp, models, monkeypatch):
     (skip0, lengths, adv0), (skip1, _, adv1) = seen["runs"]
     assert torch.equal(adv0, adv1) and (skip0 == 0).all()
     aug = torch.zeros(16, dtype=torch.bool)
-    aug[eapo.augmented_rows(2, 8, 4)] = True
+    aug[eapo.augmented_rows(2, 8, 2)] = True
     dropped = aug & (correct[-1] == 0)
     assert dropped.any() and torch.equal(skip1, torch.where(dropped, lengths, 0))
 
