@@ -118,7 +118,7 @@ class Config:
     augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = a quarter of --group-size
     tau: float = -1.0  # τ: critical tokens have policy entropy > τ (nats, at --temperature); -1 = calibrate
     tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies (our choice)
-    is_level: str = "token"  # adapted IS weight ω: token (π_old / μ per token), sequence (their product), none (ω = 1)
+    is_level: str = "token"  # IS weight ω: token (π_old / μ), sequence (its product over a completion), none (ω ≡ 1)
     omega_cap: float = 0.0  # C_ω: truncate the per-token ω = π_old / μ at this value (0 = no truncation)
     seq_cap: float = 2.0  # --is-level sequence: truncate a completion's product of ω at this value (our choice)
     pos_only: bool = False  # drop the loss of incorrect augmented completions (EAPO Fig. 3a's "Pos-Only")
@@ -158,7 +158,7 @@ def validate(cfg: Config):
     check(cfg.prior != "", "prior", "a checkpoint of an earlier RL run of this model, e.g. "
           "`python grpo.py --run-name prior` then `python eapo.py --prior runs/prior/checkpoint`")
     check(0 <= cfg.lam0 <= 1 and cfg.anneal_steps >= 0, "lam0/anneal_steps", "0 <= lam0 <= 1 and anneal_steps >= 0")
-    check(-1 <= cfg.augmented <= cfg.group_size, "augmented", f"-1 (a quarter) or 0..{cfg.group_size} (the group size)")
+    check(-1 <= cfg.augmented <= cfg.group_size, "augmented", f"-1 (a quarter) or 0..{cfg.group_size} (the group)")
     check(cfg.tau == -1 or cfg.tau >= 0, "tau", "-1 (calibrate) or an entropy >= 0 in nats")
     check(0 < cfg.tau_quantile < 1 and (cfg.omega_cap == 0 or cfg.omega_cap >= 1) and cfg.seq_cap >= 1,
           "tau_quantile/omega_cap/seq_cap", "0 < tau_quantile < 1, omega_cap 0 (off) or >= 1 and seq_cap >= 1")
@@ -173,7 +173,7 @@ def check_resume(cfg: Config, saved: dict):
               f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
     for name in EAPO_FIXED:
         check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
-              f"{saved.get(name)!r} as in the run being resumed (changing it changes the experience the run trains on)")
+              f"{saved.get(name)!r} as in the run being resumed (changing it changes the experience it trains on)")
 
 
 def check_context(model, tok, problems, cfg):

@@ -1,7 +1,7 @@
 """EAPO (eapo.py): the properties its reconstruction must keep, numbered as in the test list of the notes
 (1: no injection is GRPO; 2: the λ schedule; 3: speculative resampling emits π_RL; 4: eligibility; 5: μ and ω;
-6: what ω corrects (one decision) and what it does not (two); 7: first mini-batch; 8: resampled ratio; 9: --pos-only; 10: the prior is frozen and only
-follows augmented rows)."""
+6: what ω corrects (one token) and what it does not (two); 7: the loss and the first mini-batch; 8: resampled
+ratio; 9: --pos-only; 10: the prior is frozen and only follows augmented rows)."""
 import inspect
 import itertools
 import math
