@@ -3,13 +3,12 @@
     logprobs_entropy(logits, targets, temperature=1.0) -> (logp, entropy)
     linear_logprobs_entropy(hidden, weight, targets, temperature=1.0) -> (logp, entropy)
     lm_head_logits(hidden, weight) -> hidden @ weight.T, in vocabulary blocks on a CPU (no autograd)
-    policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None,
-                dual_clip=None, ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0,
-                shaped=None, shaped_beta=0.1, seq_ids=None, sampler_logp=None, tis_cap=None)
-        -> (loss, clipped_low, clipped_high), per token
-        weights: a constant factor on the surrogate (EAPO's behaviour weight); shaped: ExGRPO's
-        replayed tokens, -A w / (w + beta); seq_ids: GSPO's sequence ratio; sampler_logp + tis_cap:
-        truncated importance sampling; ref_logp + kl_coef: k3 KL; entropy + entropy_coef: a bonus.
+    policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, ref_logp=None,
+                kl_coef=0.0, entropy=None, entropy_coef=0.0, seq_ids=None, sampler_logp=None, tis_cap=None)
+        -> (loss, clipped_low, clipped_high), per token: GRPO's clipped surrogate and the options
+        several algorithms share. weights: a constant factor on the surrogate (EAPO's behaviour weight);
+        seq_ids: GSPO's sequence ratio; sampler_logp + tis_cap: truncated importance sampling;
+        ref_logp + kl_coef: k3 KL; entropy + entropy_coef: a bonus.
         The math: kernels.reference.policy_loss.
 
 Triton runs on CUDA tensors, the references (kernels.reference, same signatures) elsewhere;

@@ -253,13 +253,12 @@ class _PolicyLoss(torch.autograd.Function):
         return grad_logp, grad_entropy, None, None, None, None, None
 
 
-def _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high, dual_clip, kl_coef, entropy_coef,
-                         shaped_beta, tis_cap):
+def _check_policy_inputs(logp, float_inputs, seq_ids, eps_low, eps_high, kl_coef, entropy_coef, tis_cap):
     """One-line ValueErrors for inputs policy_loss cannot use."""
     def fail(message):
         raise ValueError(f"kernels.policy_loss: {message}")
 
-    named = {**float_inputs, "shaped": shaped, "seq_ids": seq_ids}
+    named = {**float_inputs, "seq_ids": seq_ids}
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != logp.shape:
             fail(f"{name} has shape {list(tensor.shape)}, expected logp's shape {list(logp.shape)} "
@@ -267,16 +266,10 @@ def _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high,
     for name, tensor in float_inputs.items():
         if tensor is not None and not tensor.is_floating_point():
             fail(f"{name} must be a float tensor, got {tensor.dtype}")
-    if shaped is not None and shaped.dtype != torch.bool:
-        fail(f"shaped must be a bool tensor, got {shaped.dtype}")
     if seq_ids is not None and seq_ids.dtype != torch.long:
         fail(f"seq_ids must be a long tensor (sequence index per token), got {seq_ids.dtype}")
     if not (0 <= eps_low <= 1 and eps_high >= 0):
         fail(f"expected 0 <= eps_low <= 1 and eps_high >= 0 (1 and inf: no clip), got {eps_low}, {eps_high}")
-    if dual_clip is not None and dual_clip <= 1:
-        fail(f"dual_clip must be > 1, got {dual_clip}")
-    if shaped is not None and not shaped_beta > 0:
-        fail(f"shaped_beta must be > 0, got {shaped_beta}")
     if tis_cap is not None and not tis_cap > 0:
         fail(f"tis_cap must be > 0 (or None: no truncation), got {tis_cap}")
     for coef, name, needs in ((kl_coef, "kl_coef", "ref_logp"), (entropy_coef, "entropy_coef", "entropy"),
@@ -285,29 +278,25 @@ def _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high,
             fail(f"{name}={coef} needs {needs}")
 
 
-def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, dual_clip=None,
-                ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
-                seq_ids=None, sampler_logp=None, tis_cap=None):
+def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, ref_logp=None, kl_coef=0.0,
+                entropy=None, entropy_coef=0.0, seq_ids=None, sampler_logp=None, tis_cap=None):
     """Per-token clipped surrogate with its options; the math, written out, is kernels.reference.policy_loss:
 
         r = exp(logp - old_logp)  (with seq_ids: GSPO's sequence ratio, per token, gradient r d logp)
-        loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), capped at -dual_clip * A where A < 0;
-               -A r / (r + shaped_beta) on shaped tokens (no clip); times weights and
+        loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), times weights and
                min(exp(old_logp - sampler_logp), tis_cap); plus kl_coef * k3(ref_logp, logp) with the
                log-ratio clamped to +-10; minus entropy_coef * entropy
 
-    All inputs have logp's shape; shaped is bool, seq_ids long. Returns fp32 loss, bool clipped_low =
-    (r < 1 - eps_low) & (A < 0) and bool clipped_high = (r > 1 + eps_high) & (A > 0), shaped tokens
-    excluded (where the ratio clip cuts the gradient; the dual clip is not counted), all of logp's shape.
+    All inputs have logp's shape; seq_ids is long. Returns fp32 loss, bool clipped_low =
+    (r < 1 - eps_low) & (A < 0) and bool clipped_high = (r > 1 + eps_high) & (A > 0) (where the ratio clip
+    cuts the gradient), all of logp's shape.
     logp gets a gradient, and entropy when entropy_coef != 0; every other input is a constant.
     eps_low = 1, eps_high = inf switch the clip off."""
     float_inputs = {"old_logp": old_logp, "advantages": advantages, "weights": weights, "ref_logp": ref_logp,
                     "entropy": entropy, "sampler_logp": sampler_logp}
-    _check_policy_inputs(logp, float_inputs, shaped, seq_ids, eps_low, eps_high, dual_clip, kl_coef, entropy_coef,
-                         shaped_beta, tis_cap)
-    options = dict(weights=weights, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy,
-                   entropy_coef=entropy_coef, shaped=shaped, shaped_beta=shaped_beta, seq_ids=seq_ids,
-                   sampler_logp=sampler_logp, tis_cap=tis_cap)
+    _check_policy_inputs(logp, float_inputs, seq_ids, eps_low, eps_high, kl_coef, entropy_coef, tis_cap)
+    options = dict(weights=weights, ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef,
+                   seq_ids=seq_ids, sampler_logp=sampler_logp, tis_cap=tis_cap)
     if not use_triton(logp):
         return reference.policy_loss(logp, old_logp, advantages, eps_low, eps_high, **options)
     if kl_coef == 0.0:
@@ -318,10 +307,9 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
     if seq_ids is not None:  # GSPO: the per-sequence mean log-ratio, a constant, computed once here
         seq_log_ratio = reference.sequence_mean(logp.detach().float() - old_logp.detach().float(), seq_ids)
     flat = {name: None if t is None else _flat(t.detach()) for name, t in
-            dict(weights=weights, ref_logp=ref_logp, seq_log_ratio=seq_log_ratio, sampler_logp=sampler_logp,
-                 shaped=None if shaped is None else shaped.view(torch.int8)).items()}
-    kernel_options = dict(flat, dual_clip=dual_clip, kl_coef=float(kl_coef), entropy_coef=float(entropy_coef),
-                          shaped_beta=float(shaped_beta), tis_cap=tis_cap, kl_max=reference.KL_LOG_RATIO_MAX)
+            dict(weights=weights, ref_logp=ref_logp, seq_log_ratio=seq_log_ratio, sampler_logp=sampler_logp).items()}
+    kernel_options = dict(flat, kl_coef=float(kl_coef), entropy_coef=float(entropy_coef), tis_cap=tis_cap,
+                          kl_max=reference.KL_LOG_RATIO_MAX)
     outs = _PolicyLoss.apply(_flat(logp), None if entropy is None else _flat(entropy), _flat(old_logp.detach()),
                              _flat(advantages.detach()), float(eps_low), float(eps_high), kernel_options)
     return tuple(out.view(logp.shape) for out in outs)

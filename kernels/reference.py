@@ -62,10 +62,10 @@ def sequence_mean(values, seq_ids):
     return (sums / counts)[ids].view(values.shape)
 
 
-def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, dual_clip=None,
-                ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
-                seq_ids=None, sampler_logp=None, tis_cap=None):
-    """Per-token policy-gradient loss: the clipped surrogate of PPO / GRPO and the options its variants use.
+def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weights=None, ref_logp=None, kl_coef=0.0,
+                entropy=None, entropy_coef=0.0, seq_ids=None, sampler_logp=None, tis_cap=None):
+    """Per-token policy-gradient loss: the clipped surrogate of PPO / GRPO and the options several algorithms share
+    (a variant's own change to the loss is written in its own file).
     Every option has a neutral default; with all of them off this is the plain clipped surrogate: PPO's
     L^CLIP (arXiv 1707.06347, §3, Eq. 7) per token, as in GRPO (arXiv 2402.03300, §4.1.1, Eq. 3), with
     DAPO's decoupled clip range eps_low / eps_high ("clip-higher", arXiv 2503.14476, §3.1).
@@ -73,20 +73,14 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
         r     = exp(logp - old_logp)                                   the token's ratio, or with seq_ids
               = sg(s) exp(logp - sg(logp)),  s = exp(mean over the token's sequence of (logp - old_logp))
         loss  = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-        loss  = min(loss, -c A)               where A < 0, if dual_clip = c > 1
-        loss  = -A r / (r + shaped_beta)      on shaped tokens, instead of all the above
         loss *= weights
         loss *= min(exp(old_logp - sampler_logp), tis_cap)             if sampler_logp
         loss += kl_coef * (exp(x) - x - 1),   x = clamp(ref_logp - logp, -10, 10)   if ref_logp
         loss -= entropy_coef * entropy                                 if entropy
 
-    - dual_clip: Dual-clip PPO (arXiv 1912.09729): bounds the loss of a negative advantage at a huge ratio.
-    - shaped (bool): ExGRPO's replayed tokens (arXiv 2510.02245 §4.2), where old_logp is the stored
-      collection-time log-prob: f(w) = w / (w + beta) of the ratio w = r, never clipped, so the gradient
-      is -A beta w / (w + beta)^2 d logp (~10x the plain IS gradient as w -> 0, damped for w >> beta).
-      They are never counted in clipped_low / clipped_high. Weights, TIS, KL and entropy still apply.
     - weights: a constant per-token factor on the surrogate (not on KL or entropy): importance
-      corrections such as EAPO's behaviour weight omega = sg(pi_old / mu) (arXiv 2606.30420).
+      corrections such as EAPO's behaviour weight omega = sg(pi_old / mu) (arXiv 2606.30420); a weight
+      of 0 takes a token out of the surrogate, so a variant can put its own term there.
     - seq_ids (long): the sequence (completion) of each token. GSPO (arXiv 2507.18071 §4) in its
       GSPO-token form: every token of sequence i uses the value s_i, with gradient s_i d logp_t, and the
       clip applies to s_i. With one advantage per sequence and a caller that weights each token 1 / |y_i|,
@@ -105,9 +99,9 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
       (e.g. from linear_logprobs_entropy); everything else except logp is a constant.
 
     eps_low = 1, eps_high = inf switch the clip off. Returns fp32 loss [...] and two bool indicators of
-    where the ratio clip cuts the surrogate's gradient (the dual clip is not counted in either):
-        clipped_low  = (r < 1 - eps_low)  & (A < 0) & ~shaped
-        clipped_high = (r > 1 + eps_high) & (A > 0) & ~shaped
+    where the ratio clip cuts the surrogate's gradient:
+        clipped_low  = (r < 1 - eps_low)  & (A < 0)
+        clipped_high = (r > 1 + eps_high) & (A > 0)
     """
     logp = logp.float()
     old_logp, adv = old_logp.detach().float(), advantages.detach().float()
@@ -117,10 +111,6 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
         log_ratio = sequence_mean(logp.detach() - old_logp, seq_ids) + (logp - logp.detach())
     ratio = torch.exp(log_ratio)
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-    if dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
-    if shaped is not None:
-        loss = torch.where(shaped, -adv * ratio / (ratio + shaped_beta), loss)
     if weights is not None:
         loss = loss * weights.detach().float()
     if sampler_logp is not None:
@@ -134,6 +124,4 @@ def policy_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, *, weight
     ratio = ratio.detach()
     clipped_low = (ratio < 1 - eps_low) & (adv < 0)
     clipped_high = (ratio > 1 + eps_high) & (adv > 0)
-    if shaped is not None:
-        clipped_low, clipped_high = clipped_low & ~shaped, clipped_high & ~shaped
     return loss, clipped_low, clipped_high

@@ -76,12 +76,11 @@ def _logprobs_entropy_bwd(logits_ptr, dlogits_ptr, targets_ptr, grad_logp_ptr, g
 
 
 @triton.jit
-def _policy_loss_fwd(logp_ptr, old_logp_ptr, adv_ptr, weights_ptr, ref_logp_ptr, entropy_ptr, shaped_ptr,
+def _policy_loss_fwd(logp_ptr, old_logp_ptr, adv_ptr, weights_ptr, ref_logp_ptr, entropy_ptr,
                      seq_log_ratio_ptr, sampler_logp_ptr, loss_ptr, dloss_ptr, clipped_low_ptr, clipped_high_ptr,
-                     n, ratio_low, ratio_high, dual_clip, kl_coef, entropy_coef, shaped_beta, tis_cap, kl_max,
-                     HAS_WEIGHTS: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_REF: tl.constexpr,
-                     HAS_ENTROPY: tl.constexpr, HAS_SHAPED: tl.constexpr, HAS_SEQ: tl.constexpr,
-                     HAS_TIS: tl.constexpr, BLOCK: tl.constexpr):
+                     n, ratio_low, ratio_high, kl_coef, entropy_coef, tis_cap, kl_max,
+                     HAS_WEIGHTS: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                     HAS_SEQ: tl.constexpr, HAS_TIS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     logp = tl.load(logp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -97,17 +96,6 @@ def _policy_loss_fwd(logp_ptr, old_logp_ptr, adv_ptr, weights_ptr, ref_logp_ptr,
     clipped_high = (ratio > ratio_high) & (adv > 0)
     # min() takes the clipped branch exactly where one of these holds; there it is flat in logp
     dloss = tl.where(clipped_low | clipped_high, 0.0, -adv * ratio)
-    if HAS_DUAL:
-        capped = (adv < 0) & (-dual_clip * adv < loss)
-        loss = tl.where(capped, -dual_clip * adv, loss)
-        dloss = tl.where(capped, 0.0, dloss)
-    if HAS_SHAPED:  # -A f(r), f(r) = r / (r + beta): d / d logp = -A beta r / (r + beta)^2, never clipped
-        shaped = tl.load(shaped_ptr + offs, mask=mask, other=0)  # int8 0 / 1
-        denom = ratio + shaped_beta
-        loss = tl.where(shaped != 0, -adv * ratio / denom, loss)
-        dloss = tl.where(shaped != 0, -adv * shaped_beta * ratio / (denom * denom), dloss)
-        clipped_low = clipped_low & (shaped == 0)
-        clipped_high = clipped_high & (shaped == 0)
     if HAS_WEIGHTS:
         w = tl.load(weights_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         loss = loss * w
@@ -169,22 +157,19 @@ def logprobs_entropy_bwd(logits, targets, grad_logp, grad_entropy, xmax, logz, e
     return dlogits
 
 
-def policy_loss_fwd(logp, old_logp, adv, eps_low, eps_high, *, weights=None, dual_clip=None, ref_logp=None,
-                    kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1, seq_log_ratio=None,
-                    sampler_logp=None, tis_cap=None, kl_max=10.0):
+def policy_loss_fwd(logp, old_logp, adv, eps_low, eps_high, *, weights=None, ref_logp=None, kl_coef=0.0,
+                    entropy=None, entropy_coef=0.0, seq_log_ratio=None, sampler_logp=None, tis_cap=None, kl_max=10.0):
     """Flat contiguous inputs [N] -> fp32 loss, fp32 d loss / d logp, bool clipped_low, clipped_high.
-    seq_log_ratio: GSPO's per-token sequence mean of logp - old_logp (fp32); shaped: int8 0/1."""
+    seq_log_ratio: GSPO's per-token sequence mean of logp - old_logp (fp32)."""
     n = logp.numel()
     loss, dloss = torch.empty(2, n, device=logp.device, dtype=torch.float32)
     clipped_low, clipped_high = torch.empty(2, n, device=logp.device, dtype=torch.int8)
-    optional = [weights, ref_logp, entropy, shaped, seq_log_ratio, sampler_logp]
+    optional = [weights, ref_logp, entropy, seq_log_ratio, sampler_logp]
     block = 1024
     _policy_loss_fwd[(triton.cdiv(n, block),)](
         logp, old_logp, adv, *[logp if t is None else t for t in optional],  # absent ones are never read
         loss, dloss, clipped_low, clipped_high, n, 1.0 - eps_low, 1.0 + eps_high,
-        0.0 if dual_clip is None else float(dual_clip), float(kl_coef), float(entropy_coef), float(shaped_beta),
-        float("inf") if tis_cap is None else float(tis_cap), float(kl_max),
-        HAS_WEIGHTS=weights is not None, HAS_DUAL=dual_clip is not None, HAS_REF=ref_logp is not None,
-        HAS_ENTROPY=entropy is not None, HAS_SHAPED=shaped is not None, HAS_SEQ=seq_log_ratio is not None,
-        HAS_TIS=sampler_logp is not None, BLOCK=block)
+        float(kl_coef), float(entropy_coef), float("inf") if tis_cap is None else float(tis_cap), float(kl_max),
+        HAS_WEIGHTS=weights is not None, HAS_REF=ref_logp is not None, HAS_ENTROPY=entropy is not None,
+        HAS_SEQ=seq_log_ratio is not None, HAS_TIS=sampler_logp is not None, BLOCK=block)
     return loss, dloss, clipped_low.bool(), clipped_high.bool()

@@ -293,9 +293,8 @@ def test_chunked_cpu_path_under_bf16_autocast_within_rounding_bound(monkeypatch)
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
-def f64_policy_loss(logp, old_logp, adv, eps_low=EPS_LOW, eps_high=EPS_HIGH, weights=None, dual_clip=None,
-                    ref_logp=None, kl_coef=0.0, entropy=None, entropy_coef=0.0, shaped=None, shaped_beta=0.1,
-                    seq_ids=None, sampler_logp=None, tis_cap=None):
+def f64_policy_loss(logp, old_logp, adv, eps_low=EPS_LOW, eps_high=EPS_HIGH, weights=None, ref_logp=None,
+                    kl_coef=0.0, entropy=None, entropy_coef=0.0, seq_ids=None, sampler_logp=None, tis_cap=None):
     """The float64 loss, its derivatives in logp and in entropy, and the clip indicators, written out region
     by region (derivatives by hand, not by autograd)."""
     logp, old_logp, adv = (t.detach().double() for t in (logp, old_logp, adv))
@@ -309,13 +308,6 @@ def f64_policy_loss(logp, old_logp, adv, eps_low=EPS_LOW, eps_high=EPS_HIGH, wei
     high = (ratio > 1 + eps_high) & (adv > 0)
     loss = torch.where(low, -(1 - eps_low) * adv, torch.where(high, -(1 + eps_high) * adv, -ratio * adv))
     grad = torch.where(low | high, 0.0, -ratio * adv)
-    if dual_clip is not None:
-        capped = (adv < 0) & (loss > -dual_clip * adv)
-        loss, grad = torch.where(capped, -dual_clip * adv, loss), torch.where(capped, 0.0, grad)
-    if shaped is not None:  # -A f(w), f(w) = w / (w + beta), d f / d logp = beta w / (w + beta)^2
-        loss = torch.where(shaped, -adv * ratio / (ratio + shaped_beta), loss)
-        grad = torch.where(shaped, -adv * shaped_beta * ratio / (ratio + shaped_beta) ** 2, grad)
-        low, high = low & ~shaped, high & ~shaped
     factor = torch.ones_like(logp)
     if weights is not None:
         factor = factor * weights.detach().double()
@@ -337,8 +329,8 @@ def f64_policy_loss(logp, old_logp, adv, eps_low=EPS_LOW, eps_high=EPS_HIGH, wei
 
 
 def policy_inputs(n=12, seed=0):
-    """Every region: ratios 0.5 (below 1 - eps_low), 1.05 (inside), 1.5 (above 1 + eps_high) and
-    5.0 (past a dual clip of 3), each with A < 0 and A > 0; then random tokens up to n."""
+    """Every region: ratios 0.5 (below 1 - eps_low), 1.05 (inside), 1.5 and 5.0 (above 1 + eps_high),
+    each with A < 0 and A > 0; then random tokens up to n."""
     g = torch.Generator().manual_seed(seed)
     ratio = torch.tensor([0.5, 1.05, 1.5, 5.0] * 2 + (torch.rand(n - 8, generator=g) * 2 + 0.2).tolist())
     adv = torch.tensor([-1.3] * 4 + [0.7] * 4 + torch.randn(n - 8, generator=g).tolist())
@@ -360,18 +352,12 @@ def option_inputs(names, logp, old_logp, seed=1):
 
     options = {}
     for name in names:
-        if name == "dual_clip":
-            options["dual_clip"] = 3.0
-        elif name == "weights":
+        if name == "weights":
             options["weights"] = rand(1.0, 0.5).requires_grad_(True)
         elif name == "kl":
             options.update(ref_logp=(logp + randn() * 0.3).requires_grad_(True), kl_coef=0.1)
         elif name == "entropy":
             options.update(entropy=rand(3.0, 0.1).requires_grad_(True), entropy_coef=0.3)
-        elif name == "shaped":
-            shaped = rand() < 0.4
-            shaped[[0, 6]] = True  # two tokens the clip would cut (ratio 0.5, A < 0; ratio 1.5, A > 0)
-            options.update(shaped=shaped, shaped_beta=0.1)
         elif name == "seq":  # ids not dense, tokens of a sequence scattered
             options["seq_ids"] = torch.randint(0, max(n // 5, 3), (n,), generator=g).to(DEVICE) * 2 + 1
         elif name in ("tis", "tis_uncapped"):
@@ -382,9 +368,8 @@ def option_inputs(names, logp, old_logp, seed=1):
     return options
 
 
-@pytest.mark.parametrize("names", [(), ("dual_clip",), ("weights",), ("kl",), ("dual_clip", "weights", "kl"),
-                                   ("entropy",), ("shaped",), ("seq",), ("tis",), ("tis_uncapped",), ("no_clip",),
-                                   ("dual_clip", "weights", "kl", "entropy", "shaped", "seq", "tis")])
+@pytest.mark.parametrize("names", [(), ("weights",), ("kl",), ("weights", "kl"), ("entropy",), ("seq",), ("tis",),
+                                   ("tis_uncapped",), ("no_clip",), ("weights", "kl", "entropy", "seq", "tis")])
 @pytest.mark.parametrize("n", [12, 3000])  # 3000 crosses kernel blocks
 def test_policy_loss_matches_float64(backend, names, n):
     logp, old_logp, adv = policy_inputs(n)
@@ -401,7 +386,7 @@ def test_policy_loss_matches_float64(backend, names, n):
     assert torch.equal(clipped_low.bool(), low64) and torch.equal(clipped_high.bool(), high64)
     if "entropy" in names:
         assert rel_err(options["entropy"].grad, grad_entropy64 * upstream) <= 1e-6
-    if not {"shaped", "seq", "no_clip"} & set(names):
+    if not {"seq", "no_clip"} & set(names):
         assert clipped_low[:8].tolist() == [True, False, False, False] + [False] * 4
         assert clipped_high[:8].tolist() == [False] * 4 + [False, False, True, True]
     if "no_clip" in names:
@@ -415,9 +400,8 @@ def test_policy_loss_neutral_options_reproduce_the_plain_surrogate(backend):
     pre-option reference computed it."""
     logp, old_logp, adv = policy_inputs(300)
     entropy = torch.rand(300, device=DEVICE).requires_grad_(True)
-    neutral = dict(weights=torch.ones(300, device=DEVICE), dual_clip=None, ref_logp=logp + 1.0, kl_coef=0.0,
-                   entropy=entropy, entropy_coef=0.0, shaped=None, shaped_beta=0.1, seq_ids=None,
-                   sampler_logp=old_logp.clone(), tis_cap=None)
+    neutral = dict(weights=torch.ones(300, device=DEVICE), ref_logp=logp + 1.0, kl_coef=0.0, entropy=entropy,
+                   entropy_coef=0.0, seq_ids=None, sampler_logp=old_logp.clone(), tis_cap=None)
     outs = []
     for options in ({}, neutral):
         x = logp.clone().requires_grad_(True)
@@ -434,23 +418,6 @@ def test_policy_loss_neutral_options_reproduce_the_plain_surrogate(backend):
             assert torch.equal(default, before)
         else:  # Triton's exp may differ from torch's in the last bit
             torch.testing.assert_close(default, before.detach(), rtol=1e-6, atol=0)
-
-
-def test_policy_loss_shaped_tokens_are_never_clipped(backend):
-    w = torch.tensor([0.05, 0.5, 1.0, 1.5, 10.0] * 2, device=DEVICE)  # ratios far outside [0.8, 1.28] too
-    adv = torch.tensor([-1.3] * 5 + [0.7] * 5, device=DEVICE)
-    old_logp = -torch.rand(10, device=DEVICE) * 3
-    logp = (old_logp + w.log()).requires_grad_(True)
-    _, low, high = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH)
-    assert low.sum() == 2 and high.sum() == 2  # unshaped, the clip would cut four of them
-    loss, low, high = backend.policy_loss(logp, old_logp, adv, EPS_LOW, EPS_HIGH,
-                                          shaped=torch.ones(10, dtype=torch.bool, device=DEVICE), shaped_beta=0.1)
-    (grad,) = torch.autograd.grad(loss.sum(), logp)
-    assert not low.any() and not high.any()
-    assert rel_err(loss, -adv.double() * w.double() / (w.double() + 0.1)) <= 1e-6
-    # at w = 1: f(1) = 1 / 1.1 and d f / d log pi = 0.1 / 1.21 (the gradient of -A f)
-    torch.testing.assert_close(loss[[2, 7]], -adv[[2, 7]] / 1.1)
-    torch.testing.assert_close(grad[[2, 7]], -adv[[2, 7]] * 0.1 / 1.21)
 
 
 def test_policy_loss_sequence_ratio(backend):
@@ -567,7 +534,6 @@ def test_policy_loss_rejects_unbroadcast_advantages():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"shaped": torch.ones(2, 5)}, "shaped must be a bool tensor"),
     ({"seq_ids": torch.zeros(2, 5)}, "seq_ids must be a long tensor"),
     ({"seq_ids": torch.zeros(10, dtype=torch.long)}, "seq_ids has shape \\[10\\]"),
     ({"entropy": torch.ones(2, 5, dtype=torch.long), "entropy_coef": 0.1}, "entropy must be a float tensor"),
@@ -576,7 +542,6 @@ def test_policy_loss_rejects_unbroadcast_advantages():
     ({"tis_cap": 2.0}, "tis_cap=2.0 needs sampler_logp"),
     ({"kl_coef": 0.1}, "kl_coef=0.1 needs ref_logp"),
     ({"eps_low": 1.5}, "0 <= eps_low <= 1"),
-    ({"shaped": torch.ones(2, 5, dtype=torch.bool), "shaped_beta": 0.0}, "shaped_beta must be > 0"),
     ({"sampler_logp": torch.zeros(2, 5), "tis_cap": 0.0}, "tis_cap must be > 0"),
 ])
 def test_policy_loss_rejects_bad_options(options, message):
@@ -609,15 +574,13 @@ bwd = {"logits_ptr": "*bf16", "dlogits_ptr": "*bf16", "targets_ptr": "*i64",
        **dict.fromkeys(["grad_logp_ptr", "grad_entropy_ptr", "xmax_ptr", "logz_ptr", "entropy_ptr"], fp32),
        "drow_stride": "i64", **rows}
 loss = {**dict.fromkeys(["logp_ptr", "old_logp_ptr", "adv_ptr", "weights_ptr", "ref_logp_ptr", "entropy_ptr"], fp32),
-        "shaped_ptr": "*i8", "seq_log_ratio_ptr": fp32, "sampler_logp_ptr": fp32, "loss_ptr": fp32, "dloss_ptr": fp32,
+        "seq_log_ratio_ptr": fp32, "sampler_logp_ptr": fp32, "loss_ptr": fp32, "dloss_ptr": fp32,
         "clipped_low_ptr": "*i8", "clipped_high_ptr": "*i8", "n": "i32",
-        **dict.fromkeys(["ratio_low", "ratio_high", "dual_clip", "kl_coef", "entropy_coef", "shaped_beta", "tis_cap",
-                         "kl_max"], "fp32"),
-        **dict.fromkeys(["HAS_WEIGHTS", "HAS_DUAL", "HAS_REF", "HAS_ENTROPY", "HAS_SHAPED", "HAS_SEQ", "HAS_TIS",
-                         "BLOCK"], "constexpr")}
+        **dict.fromkeys(["ratio_low", "ratio_high", "kl_coef", "entropy_coef", "tis_cap", "kl_max"], "fp32"),
+        **dict.fromkeys(["HAS_WEIGHTS", "HAS_REF", "HAS_ENTROPY", "HAS_SEQ", "HAS_TIS", "BLOCK"], "constexpr")}
 jobs = [(tk._logprobs_entropy_fwd, fwd, {"BLOCK_V": 8192}), (tk._logprobs_entropy_bwd, bwd, {"BLOCK_V": 8192}),
-        (tk._policy_loss_fwd, loss, {**dict.fromkeys(["HAS_WEIGHTS", "HAS_DUAL", "HAS_REF", "HAS_ENTROPY", "HAS_SHAPED",
-                                                      "HAS_SEQ", "HAS_TIS"], True), "BLOCK": 1024})]
+        (tk._policy_loss_fwd, loss, {**dict.fromkeys(["HAS_WEIGHTS", "HAS_REF", "HAS_ENTROPY", "HAS_SEQ", "HAS_TIS"],
+                                                     True), "BLOCK": 1024})]
 for kernel, signature, constexprs in jobs:
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
