@@ -44,12 +44,11 @@ from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate
 from common.logger import MetricsLog, peak_rss_gb
 from common.model import Transformer, compute_dtype
-from common.sampler import Companion, draw, generate
+from common.sampler import Companion, draw, generate, softmax_stats
 from common.tasks import format_question, load_task
 from common.tokenizer import Tokenizer
 from common.verifier import extract_answer, score
 from kernels import policy_loss
-from kernels.reference import softmax_stats
 
 
 @dataclass
