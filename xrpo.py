@@ -466,7 +466,8 @@ def embed_statements(corpus, initial, statements: list[str], cfg, tok, device):
     the whole training set at start, for only the problems the run visits. initial: the model while it still holds
     the initial weights, or None (a resumed run), which loads them for this alone."""
     if any(p not in corpus.vectors for p in statements):
-        corpus.embed_new(initial or Transformer.from_pretrained(cfg.model, device=device), tok, statements)
+        model = initial if initial is not None else Transformer.from_pretrained(cfg.model, device=device)
+        corpus.embed_new(model, tok, statements)
 
 
 def initial_problems(train, cfg) -> list:
@@ -803,7 +804,7 @@ def main(argv=None):
     corpus = Corpus(per_problem=cfg.icl_per_problem)
     if state is not None:
         corpus.load_state_dict(state["extra"]["xrpo_corpus"])
-    seeded = initial_problems(train, cfg) if state is None else []  # C_init's problems (Alg. 1), sampled below
+    seeded = initial_problems(train, cfg) if cfg.icl and state is None else []  # C_init (Alg. 1), sampled below
     if cfg.icl:
         run = step_prompts(train, 1, cfg.steps * cfg.prompts_per_step, cfg.seed)  # every problem this run draws
         embed_statements(corpus, None if ckpt else model, [p.prompt for p in run + seeded], cfg, tok, device)
