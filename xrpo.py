@@ -95,10 +95,9 @@ class Config:
     # ICL seeding (XRPO §3.2, App. C); --no-icl is the "w/o ICL" ablation (Table 5)
     icl: bool = True  # sample a prompt with no correct rollout yet from an in-context prompt of solved neighbours
     icl_shots: int = 2  # K: verified solutions of similar other problems shown (§4.1: 2)
-    # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192, its prompt window). Two exemplars
-    # with answers of at most max_new_tokens = 48 tokens make at most ~220 tokens: at 256 none is cut (none was in the
-    # paper either, App. D)
-    icl_max_len: int = 256
+    # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192, its prompt window). With answers of
+    # at most 48 tokens two arithmetic exemplars make at most ~230 tokens, so it binds only on longer tasks
+    icl_max_len: int = 1024
     icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent (our choice: the paper never prunes)
     # C_init (Alg. 1, §4.2): training problems the base model samples n_base times before step 1, its correct answers
     # seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training and
