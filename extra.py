@@ -563,7 +563,7 @@ def group_novelty(memories: dict, keys: list, group: torch.Tensor, emb: torch.Te
 
 def cut_rollout(tokens: list, entropies: list, nl_ids: set, min_gap: int, max_cuts: int, cuttable_only: bool):
     """The rollout of a hard group to cut: the one with the lowest mean token entropy, correct or not.
-    Returns (its index, its cuts), cuts empty when it has no line break to cut at. cuttable_only: our
+    Returns (its index, its cuts), (None, []) when it has no line break to cut at. cuttable_only: our
     choice for short answers, where the most confident rollout is often one line without a break: take the
     most confident among those that can be cut (the paper takes the most confident, and then gets nothing)."""
     order = sorted(range(len(tokens)), key=lambda j: float(entropies[j].mean()) if len(tokens[j]) else float("inf"))
@@ -571,7 +571,7 @@ def cut_rollout(tokens: list, entropies: list, nl_ids: set, min_gap: int, max_cu
         cuts = prefix_cuts(tokens[j], nl_ids, min_gap, max_cuts)
         if cuts:
             return j, cuts
-    return order[0], []
+    return None, []
 
 
 def regenerate(state: dict, hard_rows: list, embed_fn, nl_ids: set, cfg) -> tuple[list, int]:
@@ -586,8 +586,9 @@ def regenerate(state: dict, hard_rows: list, embed_fn, nl_ids: set, cfg) -> tupl
     emb = iter(embed_fn([p[:cfg.embed_tokens] for p in prefixes]) if prefixes else [])  # [n_prefixes, d]
     items = []
     for (context, answer, tokens, ent), (j, cuts) in zip(hard_rows, cut):
-        memory = state["prefixes"].get(tuple(context), []) + [
+        memory = state["prefixes"].get(tuple(context), []) + ([
             dict(ids=tokens[j][:b], mte=float(m), emb=next(emb).half()) for b, m in zip(cuts, prefix_mte(ent[j], cuts))]
+            if cuts else [])
         if memory:
             state["prefixes"][tuple(context)] = memory = memory[-cfg.prefix_memory:]
             best = select_prefix(torch.stack([m["emb"] for m in memory]).float(), torch.tensor([m["mte"] for m in memory]),
@@ -768,12 +769,14 @@ def main(argv=None):
         hard = is_hard(correct.view(B, G))  # [B]
         items, stored = [], 0
         if regen_on and hard.any():
-            sub = b_all.select(hard[b_all.group])
+            # our choice: with --cuttable-only a rollout without a cut point is never chosen, so it is not scored
+            can_cut = [not cfg.cuttable_only or bool(prefix_cuts(t, nl_ids, cfg.boundary_gap)) for t in b_all.tokens]
+            sub = b_all.select(hard[b_all.group] & torch.tensor(can_cut, dtype=torch.bool))
             # entropies at T = 1 as in the paper (this pass is ours alone, so it need not share the sampling temperature)
             _, entropy = trainer_logprobs(model, sub, cfg.micro_batch, 1.0, tok.pad_id, device, autocast)
-            entropy = entropy.split(sub.lengths.tolist())
-            rows = [(contexts[r], answers[r], sub.tokens[i * G:(i + 1) * G], entropy[i * G:(i + 1) * G])
-                    for i, r in enumerate(hard.nonzero()[:, 0].tolist())]
+            entropy, of = entropy.split(sub.lengths.tolist()), sub.group.tolist()  # of: each scored rollout's row
+            rows = [(contexts[r], answers[r], [t for t, g in zip(sub.tokens, of) if g == r],
+                     [h for h, g in zip(entropy, of) if g == r]) for r in hard.nonzero()[:, 0].tolist()]
             items, stored = regenerate(extra_state, rows, lambda s: embed_texts(encoder, s, centre, tok.pad_id, autocast),
                                        nl_ids, cfg)
             extra_state["queue"] = push_queue(extra_state["queue"], items, cfg.queue_size)

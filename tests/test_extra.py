@@ -305,6 +305,9 @@ def test_regenerate_stores_selects_and_queues():
     # the paper's rule: the most confident rollout has no break, nothing is stored; yet a hard prompt with prefixes
     # stored on an earlier visit is queued again (as the official code), one without any is not
     assert stored == 0 and items == [dict(context=[1, 2, 7, 8, NL], answer="42")]
+    # rows none of whose rollouts can be cut are passed without them (the loop scores only cuttable ones)
+    items, stored = extra.regenerate(state, [([1, 2], "42", [], []), ([3], "7", [], [])], fake, {NL}, cfg)
+    assert stored == 0 and items == [dict(context=[1, 2, 7, 8, NL], answer="42")]
     cfg.cuttable_only = True
     for _ in range(4):
         extra.regenerate(state, [([1, 2], "42", tokens, ent)], fake, {NL}, cfg)
