@@ -46,10 +46,12 @@ import torch.nn.functional as F
 
 from common import checkpoint, dist
 from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
-from common.embed import embed
 from common.config import RunError, check, main_guard, parse
+from common.embed import embed
 from common.evaluate import evaluate
-from common.logger import MetricsLog, peak_rss_gb
+from common.hub import resolve_model_dir
+from common.logger import MetricsLog
+from common.memory import peak_rss_gb
 from common.model import Transformer, compute_dtype
 from common.sampler import generate
 from common.tasks import format_question, load_task
@@ -72,13 +74,9 @@ class Config:
     train_size: int = 48  # problems generated for arith (ignored for data files); our choice: few, so that 16 x 15 draws visit each 5 times: novelty needs a prompt's memory from earlier visits
     # rollouts
     steps: int = 15  # training steps
-    # The CPU defaults below (16 x 8 rollouts, 48 tokens) are sized for SmolLM2-135M on arithmetic: with 8 prompts a
-    # step, most groups were all right or all wrong and only ~3 carried a gradient, so one seed gained 20 points and the
-    # next none; its right answers are short (after training its samples average 14-18 tokens), and the long ones are
-    # rambling that ends wrong, so a tighter training budget mostly cuts tokens that earn nothing. Evaluation keeps the
-    # budget of earlier runs (64), so their numbers compare. The budget moves the untrained model's score (on the 300
-    # held-out problems: 0.283 at 48 tokens, where a cut often ends on the right sum, 0.257 at 64, 0.267 at 96), not the
-    # trained model's (its answers are short): read a gain with the budget it was measured at.
+    # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
+    # prompts a step so that enough groups carry a gradient, answers of at most 48 tokens (a right answer takes ~15;
+    # longer ones mostly ramble and end wrong). How they were chosen: docs/benchmarks.md.
     prompts_per_step: int = 16  # B: prompts per step (across all ranks)
     group_size: int = 8  # G: completions per prompt
     max_new_tokens: int = 48  # L_max: completion budget in tokens
@@ -372,9 +370,8 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
 def lr_factor(step: int, cfg: Config) -> float:
     """The learning rate at 0-based `step` as a fraction of --lr: a linear warm-up, constant, then a linear decay over
     the last --decay-steps steps (warmup-stable-decay; MiniCPM, arXiv 2404.06395 §4). The decay is our choice (the GRPO
-    papers keep the rate constant): late in a short run greedy accuracy moves by several points from one update to the
-    next (one default run held 0.40-0.42 from step 4 to 14, then fell to 0.36 at step 15), and small last updates end
-    the run on its plateau, while a decay over the whole run (a cosine, tried) slowed a seed that learned late."""
+    papers keep the rate constant): late in a short run greedy accuracy can move by several points from one update to
+    the next, and small last updates end the run on its plateau (docs/benchmarks.md)."""
     warm = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
     left = cfg.steps - step  # steps left, this one included: 1 at the last
     return min(warm, left / (cfg.decay_steps + 1), 1.0)
@@ -831,14 +828,10 @@ def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
         raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
                        "is intact (rerun with --resume and a lower --lr)")
     if dist.is_main():
-        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=_model_dir(cfg.model),
+        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=resolve_model_dir(cfg.model),
                         extra={"config": asdict(cfg), **(extra or {})})
     dist.barrier()
 
-
-def _model_dir(name):
-    from common.hub import resolve_model_dir
-    return resolve_model_dir(name)
 
 
 def _minutes(seconds):

@@ -3,8 +3,6 @@ import json
 import math
 from pathlib import Path
 
-from common.memory import peak_rss_gb  # noqa: F401 (algorithm files import it from here)
-
 # What the console line shows, in order, with its short label (the file gets every metric).
 CONSOLE = [("reward/mean", "reward"), ("reward/acc", "acc"), ("response/len_mean", "len"),
            ("policy/entropy", "ent"), ("policy/clipfrac_high", "clip+"), ("policy/approx_kl", "kl"),

@@ -69,6 +69,3 @@ def test_peak_rss_is_in_gb_and_the_heap_trim_finds_glibc():
     memory.release_free_memory()
     if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
         assert memory._LIBC is not None
-    from common.logger import peak_rss_gb
-
-    assert peak_rss_gb is memory.peak_rss_gb
