@@ -94,8 +94,8 @@ class Config:
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # experience replay (ExGRPO §4); the options marked "Table 6" rerun the paper's ablations (ExGRPO Table 6)
     replay_ratio: float = 0.5  # ρ: up to ⌊ρB⌋ of each step's B questions come from the buffer (0 = never replay)
-    # our choice: 0.15, not the paper's 0.35 (set for 7B math models): untrained SmolLM2's batch accuracy on arith at
-    # T = 0.8 and 48 tokens is 0.05-0.15 (mean 0.09 over 6 batches of 16 x 8), so replay waits for the first learning
+    # our choice: 0.15, not the paper's 0.35 (set for 7B math models): just above untrained SmolLM2's batch accuracy
+    # on arith (about 0.09, docs/exgrpo.md), so replay waits for the first learning
     start_acc: float = 0.15  # delayed start: replay begins after a step with batch accuracy above this (< 0: at once)
     # preferred success counts k: normal, normal-acc (in k/K), linear, sqrt, uniform (over buckets); question: every
     # stored question alike, whatever its bucket (Table 6 "w/o question selection")

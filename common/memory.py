@@ -29,10 +29,8 @@ def release_free_memory():
     """Hand the heap's freed pages back to the OS (glibc's malloc_trim; a no-op elsewhere). The trainer frees
     hundreds of MB of gradients and activations in tensors of a few MB, which glibc keeps in its heap, mixed with
     live memory, rather than returning them; the sampler's KV cache would then come on top of them. Called
-    between the phases of a step, it lowered a default CPU run's peak by about 0.45 GB at no measurable cost;
-    called also before and after each training forward (common.batch), by about 0.1 GB more, for ~1% of the
-    update's time (the pages handed back are faulted in again), and before the embedding's backward
-    (common.model), by 0.1 GB more."""
+    between the phases of a step, around each training forward (common.batch) and before the embedding's backward
+    (common.model); what each call saves is in docs/benchmarks.md."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
