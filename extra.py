@@ -58,6 +58,7 @@ from common.tasks import format_question, load_task
 from common.tokenizer import Tokenizer
 from common.verifier import extract_answer, score
 from kernels import policy_loss
+from kernels.reference import sequence_mean
 
 
 @dataclass
@@ -248,8 +249,8 @@ def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
     """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
     of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
     old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
-    ExTra's host adds the dual clip (Dual-clip PPO, Ye et al., arXiv 1912.09729; ExTra's verl recipe, c = 10): where A < 0 the
-    surrogate is at most c·|A|. With c > 1 it binds exactly on tokens with A < 0 and r > c, where the surrogate is
+    ExTra's host adds the dual clip (Dual-clip PPO, Ye et al., arXiv 1912.09729; ExTra's verl recipe, c = 10): where
+    A < 0 the surrogate is at most c·|A|. With c > 1 it binds exactly on tokens with A < 0 and r > c, where the surrogate is
     then the constant c·|A| (no gradient): those tokens get weight 0 in the fused call and the constant added.
     KL and entropy are untouched."""
     capped = dual_clipped(logp, old_logp, adv, cfg.dual_clip, kw.get("seq_ids"))  # [n] bool
@@ -267,10 +268,8 @@ def dual_clipped(logp, old_logp, adv, c, seq_ids=None):
     """[n] bool: the tokens whose surrogate the dual clip caps, A < 0 and r > c (r: GSPO's sequence ratio with
     seq_ids); none when c = 0 (off)."""
     log_ratio = (logp - old_logp).detach()
-    if seq_ids is not None:
-        n_seq = int(seq_ids.max()) + 1
-        seq_sum = log_ratio.new_zeros(n_seq).index_add_(0, seq_ids, log_ratio)
-        log_ratio = (seq_sum / torch.bincount(seq_ids, minlength=n_seq))[seq_ids]
+    if seq_ids is not None:  # the ratio the fused loss uses: the sequence's mean log-ratio
+        log_ratio = sequence_mean(log_ratio, seq_ids)
     return (adv < 0) & (log_ratio.exp() > c) if c else torch.zeros_like(adv, dtype=torch.bool)
 
 
