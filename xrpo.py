@@ -36,14 +36,14 @@ import copy
 import functools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
 from common import checkpoint, dist
-from common.batch import Batch, completion_logprobs, to_batch, trainer_logprobs
+from common.batch import Batch, completion_logprobs, to_batch, token_index, trainer_logprobs
 from common.config import RunError, check, main_guard, parse
 from common.embed import embed
 from common.evaluate import evaluate
@@ -51,11 +51,13 @@ from common.hub import resolve_model_dir
 from common.logger import MetricsLog
 from common.memory import peak_rss_gb
 from common.model import Transformer, compute_dtype
+from common.options import high_entropy, overlong_penalty, token_mask
 from common.sampler import generate
 from common.tasks import format_question, load_task
 from common.tokenizer import Tokenizer
 from common.verifier import extract_answer, score
 from kernels import policy_loss
+from kernels.reference import sequence_mean
 
 
 @dataclass
@@ -111,10 +113,19 @@ class Config:
     eps_low: float = 0.2  # clip ratio below 1 - eps_low
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
-    tis_cap: float = 0.0  # truncated IS: weight tokens by min(π_train / π_sampler, C); 0 = off
+    tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model (paper: 0.001, §4.1)
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    # GRPO-family options, all off by default (docs/grpo.md lists them with their sources)
+    overlong_mask: bool = False  # completions cut at max_new_tokens get no loss (DAPO's overlong filtering)
+    overlong_buffer: int = 0  # L_cache: reward penalty growing over the budget's last L_cache tokens (DAPO); 0 = off
+    overlong_penalty: float = 1.0  # that penalty at the budget's end (DAPO: 1)
+    loss_type: str = "clip"  # clip (PPO/GRPO) or cispo: clip the weight sg(min(r, 1 + eps_high)), not the update
+    tis_mode: str = "token-truncate"  # what --tis-cap does with ρ: {token,sequence}-{truncate,mask} (docs/grpo.md)
+    tis_floor: float = 0.0  # the mask modes also drop ρ below this (IcePop: 0.5); 0 = no lower bound
+    offpolicy_mask: float = 0.0  # δ: drop A < 0 completions with mean log(π_sampler/π_θ) > δ (DeepSeek-V3.2); 0 = off
+    top_entropy: float = 1.0  # train on the top fraction ρ of tokens by entropy (80/20 rule: 0.2); 1 = all
     epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # M: optimizer steps per epoch
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
@@ -135,9 +146,12 @@ class Config:
     eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
     eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
+    tracker: str = "none"  # also log to tensorboard, wandb or trackio (an optional package: pip install it)
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
+               "loss_type": ["clip", "cispo"], "tis_mode": ["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"],
+               "tracker": ["none", "tensorboard", "wandb", "trackio"],
                "alloc": ["proportional", "greedy", "uniform"]}
 
 
@@ -150,7 +164,7 @@ def validate(cfg: Config):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
                  "eval_every", "save_every", "train_size", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps"):
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer"):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
@@ -160,6 +174,10 @@ def validate(cfg: Config):
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
+    check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
+    check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
+          "a buffer shorter than max_new_tokens and a penalty >= 0")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a ρ in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
@@ -211,6 +229,13 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> t
 def boxed(text: str) -> bool:
     """The optional format term: the completion uses \\boxed and an answer can be read from it."""
     return "\\boxed" in text and extract_answer(text) is not None
+
+
+def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """[n_groups] bool: the groups whose rewards are not all equal, the only ones with a nonzero advantage."""
+    group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, group, rewards, "amax")
+    group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, group, rewards, "amin")
+    return group_max > group_min
 
 
 def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
@@ -613,8 +638,26 @@ def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
     """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
     of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
     old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    if cfg.loss_type == "cispo":  # the unclipped surrogate r·A times the constant min(r, 1 + ε_high) / r: CISPO's
+        ratio = cispo_ratio(logp, old_logp, kw.get("seq_ids"))  # value and gradient, in the same fused pass
+        weight = ratio.clamp(max=1 + cfg.eps_high) / ratio
+        kw["weights"] = weight if kw.get("weights") is None else kw["weights"] * weight
+        loss, _, _ = policy_loss(logp, old_logp, adv, 1.0, math.inf, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+                                 entropy=entropy, entropy_coef=cfg.entropy_coef, tis_cap=tis_cap(cfg, kw), **kw)
+        return loss, torch.zeros_like(weight, dtype=torch.bool), ratio > 1 + cfg.eps_high
     return policy_loss(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
-                       entropy=entropy, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap or None, **kw)
+                       entropy=entropy, entropy_coef=cfg.entropy_coef, tis_cap=tis_cap(cfg, kw), **kw)
+
+
+def tis_cap(cfg, kw):
+    """The fused loss's truncated-IS cap: --tis-cap when the update passed the sampler's log-probs (token-truncate)."""
+    return cfg.tis_cap if kw.get("sampler_logp") is not None else None
+
+
+def cispo_ratio(logp, old_logp, seq_ids=None):
+    """[n] the (detached) ratio r that CISPO's weight clips: per token, or GSPO's per-completion mean."""
+    log_ratio = (logp - old_logp).detach()
+    return (log_ratio if seq_ids is None else sequence_mean(log_ratio, seq_ids)).exp()
 
 
 def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
@@ -630,6 +673,10 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     # the clipped surrogate (PPO eq. 7) per token, as GRPO's objective (arXiv 2402.03300 §4.1.1, eq. 3), with DAPO's
     # clip-higher (arXiv 2503.14476 §3.1): ε_high > ε_low leaves an unlikely token more room to rise
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
+        # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
+        weight = ratio.detach().clamp(max=1 + cfg.eps_high)
+        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (and GSPO's s_i)
     if weights is not None:  # a constant per-token factor (a variant's importance weight)
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
@@ -639,6 +686,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
         loss = loss + cfg.kl_coef * (x.exp() - x - 1)
     loss = loss - cfg.entropy_coef * entropy  # the entropy bonus
     ratio = ratio.detach()
+    if cfg.loss_type == "cispo":  # nothing cut; "clipped high" reports where the weight was clipped
+        return loss, torch.zeros_like(ratio, dtype=torch.bool), ratio > 1 + cfg.eps_high
     return loss, (ratio < 1 - cfg.eps_low) & (adv < 0), (ratio > 1 + cfg.eps_high) & (adv > 0)
 
 
@@ -658,15 +707,20 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
     # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0 or dist.world() > 1
-    active = [keeps_all or bool(a != 0) for a in adv.tolist()]  # [N]
+    active = [(keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]  # [N]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
-                           "mismatch_tokens", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
+                           "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
                            "skipped_since_last_step"], 0.0)
+    forking = torch.ones(len(b.sampler_logp), dtype=torch.bool)  # [n_tok] the tokens --top-entropy trains on
     for epoch in range(cfg.epochs if N else 0):
         for idx in mini:
             # the aggregation's totals over the whole mini-batch, summed over ranks
             n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
                                                                  float(n_train[idx].sum())])).tolist()
+            if cfg.top_entropy < 1:  # ranked over the mini-batch's loss tokens
+                tok_mb = token_index(lengths, idx)
+                tok_mb = tok_mb[b.train_mask()[tok_mb]]
+                forking[tok_mb] = high_entropy(b.sampler_entropy[tok_mb], cfg.top_entropy)
             dist.zero_grad(optimizer, model)
             trained = [i for i in idx if active[i]]
             micro = [trained[i:i + cfg.micro_batch] for i in range(0, len(trained), cfg.micro_batch)]
@@ -676,12 +730,18 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     # log π_θ of the loss tokens of completions mb, and their positions tok in the flat [n_tok] arrays
                     logp, entropy, tok = completion_logprobs(policy, b, mb, cfg.temperature, pad_id, device)
                     extra = {k: v[tok].to(device) for k, v in (loss_kw or {}).items()}
+                    seq = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)  # each token's completion
                     if cfg.seq_ratio:  # GSPO §4: the ratio is one per completion, over its loss tokens
-                        extra["seq_ids"] = torch.arange(len(mb)).repeat_interleave(n_train[mb]).to(device)
-                    if cfg.tis_cap:
+                        extra["seq_ids"] = seq
+                    if cfg.tis_cap and cfg.tis_mode == "token-truncate":
                         extra["sampler_logp"] = b.sampler_logp[tok].to(device)
                     old = logp.detach() if old_logp is None else old_logp[tok].to(device)
                     ref = None if ref_logp is None else ref_logp[tok].to(device)
+                    mask = token_mask(old, logp.detach(), b.sampler_logp[tok].to(device), tok_adv[tok].to(device), seq, cfg)
+                    if cfg.top_entropy < 1:
+                        mask = forking[tok].to(device).float() * (1 if mask is None else mask)
+                    if mask is not None:  # one constant factor per token, with the variant's own weights
+                        extra["weights"] = mask if extra.get("weights") is None else extra["weights"] * mask
                     loss_tok, clip_low, clip_high = token_loss(logp, old, tok_adv[tok].to(device), entropy, cfg,
                                                                ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
@@ -696,6 +756,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                     stats["clip_high"] += clip_high.float().sum().item()
                     stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
                     stats["entropy"] += entropy.detach().sum().item()
+                    stats["masked"] += 0 if mask is None else (mask == 0).sum().item()
                     if ref is not None:  # k3, its log-ratio clamped to ±10 as in the loss
                         log_ratio_ref = (ref - logp.detach()).clamp(-10, 10)
                         stats["ref_kl"] += (log_ratio_ref.exp() - log_ratio_ref - 1).sum().item()
@@ -750,6 +811,7 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
         "policy/clipfrac_high": stats["clip_high"] / seen, "policy/approx_kl": stats["approx_kl"] / seen,
         "policy/ref_kl": stats["ref_kl"] / seen,
         "policy/sampler_logp_diff": stats["mismatch"] / max(stats["mismatch_tokens"], 1),
+        "policy/masked_tokens": stats["masked"] / seen,
         "optim/grad_norm": stats["grad_norm"] / max(stats["opt_steps"], 1), "optim/grad_norm_max": stats["grad_norm_max"],
         "optim/skipped_steps": stats["skipped"],
         "perf/sampled_tokens": lengths.sum().item(), "perf/train_fwd_tokens": stats["fwd_tokens"],
@@ -762,7 +824,7 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
 
 # Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
 METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sampled_tokens", "perf/train_fwd_tokens",
-               "perf/sample_tok_s", "perf/train_tok_s")
+               "perf/sample_tok_s", "perf/train_tok_s", "response/overlong_masked")
 METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
 
@@ -822,7 +884,8 @@ def main(argv=None):
             group["lr"] = lr
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None)
+    log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None, total_steps=cfg.steps,
+                     tracker=cfg.tracker, config=asdict(cfg), run_name=cfg.run_name)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
@@ -847,10 +910,10 @@ def main(argv=None):
 
         # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
         rewards = correct + cfg.format_reward * torch.tensor([float(boxed(t)) for t in texts])
+        if cfg.overlong_buffer:  # DAPO §3.4, eq. 13
+            rewards = rewards + overlong_penalty(b.lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
         n_groups = int(b.group.max()) + 1
-        group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, b.group, rewards, "amax")
-        group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, b.group, rewards, "amin")
-        zero_var = group_max == group_min  # [groups]
+        zero_var = ~varied_groups(rewards, b.group, n_groups)  # [groups]
         keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
@@ -866,6 +929,8 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
+        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget gets no loss
+            b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
         # XRPO §3.3: a correct rollout that the policy finds less likely than its group does on average gains a
         # bonus; s(y) (eq. 4) in the context it is trained with, from π_old (eq. 4's π_θ before the update). Our
         # choice: the scoring pass's log-probs when the step makes one (μ·M > 1), else the sampler's: in fp32 the
@@ -895,6 +960,7 @@ def main(argv=None):
         metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = lr_used
+        metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
         metrics.update(xrpo_metrics(per_prompt, cfg, b_all.group, icl, correct_all, correct[keep], bonus, corpus))
         metrics = dist.reduce_metrics(metrics, sums=METRIC_SUMS + XRPO_SUMS, maxes=METRIC_MAXES + XRPO_MAXES)
         log.log(step, {**metrics, **xrpo_rates(metrics)})
@@ -912,6 +978,7 @@ def main(argv=None):
         print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
               f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
+    log.close()
     dist.cleanup()
 
 

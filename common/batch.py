@@ -27,6 +27,7 @@ class Batch:
     sampler_logp: torch.Tensor  # [n_tok] the sampler's log-probs of every completion token, flat
     finished: torch.Tensor  # [N] bool: a stop token ended the completion (False: cut at max_new_tokens)
     answer: list  # [N] the reference answer each completion is graded against
+    sampler_entropy: torch.Tensor | None = None  # [n_tok] the entropy of the sampler's distribution at each token
 
     @property
     def lengths(self) -> torch.Tensor:  # [N] completion tokens
@@ -38,10 +39,18 @@ class Batch:
 
     def select(self, keep: torch.Tensor) -> "Batch":
         """The completions where keep [N] is True, in order."""
-        idx = keep.nonzero()[:, 0].tolist()
+        idx, tok = keep.nonzero()[:, 0].tolist(), keep.repeat_interleave(self.lengths)
         return Batch([self.context[i] for i in idx], [self.tokens[i] for i in idx], self.group[keep], self.skip[keep],
-                     self.sampler_logp[keep.repeat_interleave(self.lengths)], self.finished[keep],
-                     [self.answer[i] for i in idx])
+                     self.sampler_logp[tok], self.finished[keep], [self.answer[i] for i in idx],
+                     None if self.sampler_entropy is None else self.sampler_entropy[tok])
+
+
+def concat(a: Batch, b: Batch) -> Batch:
+    """The completions of a, then those of b (group ids as they are: keep them distinct)."""
+    both = a.sampler_entropy is not None and b.sampler_entropy is not None
+    return Batch(a.context + b.context, a.tokens + b.tokens, torch.cat([a.group, b.group]), torch.cat([a.skip, b.skip]),
+                 torch.cat([a.sampler_logp, b.sampler_logp]), torch.cat([a.finished, b.finished]), a.answer + b.answer,
+                 torch.cat([a.sampler_entropy, b.sampler_entropy]) if both else None)
 
 
 def to_batch(contexts, groups, answers, group_ids) -> Batch:
@@ -53,7 +62,8 @@ def to_batch(contexts, groups, answers, group_ids) -> Batch:
                  skip=torch.tensor([s.prefix_len for _, s, _, _ in rows], dtype=torch.long),
                  sampler_logp=torch.cat([torch.zeros(0)] + [s.logprobs.float().cpu() for _, s, _, _ in rows]),
                  finished=torch.tensor([s.finished for _, s, _, _ in rows], dtype=torch.bool),
-                 answer=[a for _, _, a, _ in rows])
+                 answer=[a for _, _, a, _ in rows],
+                 sampler_entropy=torch.cat([torch.zeros(0)] + [s.entropies.float().cpu() for _, s, _, _ in rows]))
 
 
 def token_index(lengths: torch.Tensor, idx) -> torch.Tensor:

@@ -8,7 +8,6 @@ for base models).
 """
 import json
 import re
-from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 

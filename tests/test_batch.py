@@ -91,3 +91,20 @@ def test_to_batch_and_select():
     kept = b.select(torch.tensor([True, False, True]))
     assert kept.tokens == [[5, 6], [8, 9, 10]]
     torch.testing.assert_close(kept.sampler_logp, torch.cat([b.sampler_logp[:2], b.sampler_logp[3:]]))
+
+
+def test_select_and_concat_keep_every_per_token_array_aligned():
+    """select and concat move each completion's sampler log-probs and entropies with it (a mutation that slices one
+    array by completions instead of tokens, or drops the entropies, fails)."""
+    b = shared_batch()
+    n_tok = int(b.lengths.sum())
+    b.sampler_logp, b.sampler_entropy = -torch.arange(n_tok, dtype=torch.float), torch.arange(n_tok, dtype=torch.float)
+    keep = torch.tensor([True, False, True, True, False, False, True, True])
+    part = b.select(keep)
+    tok = token_index(b.lengths, keep.nonzero()[:, 0].tolist())
+    assert torch.equal(part.sampler_entropy, b.sampler_entropy[tok]) and torch.equal(part.sampler_logp, -part.sampler_entropy)
+    both = cb.concat(part, b.select(~keep))
+    assert both.tokens == part.tokens + b.select(~keep).tokens and len(both.group) == 8
+    assert torch.equal(both.sampler_entropy[:len(tok)], b.sampler_entropy[tok])
+    assert len(both.sampler_logp) == len(both.sampler_entropy) == n_tok
+    assert cb.concat(part, shared_batch()).sampler_entropy is None  # one side without entropies: none

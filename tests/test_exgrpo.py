@@ -674,7 +674,8 @@ def test_mixed_loss_is_padding_free_and_divided_by_a_constant(soft_model_dir):
 
 
 @pytest.mark.parametrize("bad", [["--replay-ratio", "1.5"], ["--bucket-sigma", "0"], ["--dynamic-sampling"],
-                                 ["--bucket-weighting", "x"], ["--shaping-beta", "0"], ["--trajectory-choice", "x"]])
+                                 ["--bucket-weighting", "x"], ["--shaping-beta", "0"], ["--trajectory-choice", "x"],
+                                 ["--loss-type", "cispo"]])
 def test_bad_options_are_one_line_errors(in_tmp, bad, capsys):
     from common.config import main_guard
     with pytest.raises(SystemExit) as e:

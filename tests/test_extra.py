@@ -373,7 +373,7 @@ def metrics(tmp_path, name):
 
 
 def train_rows(tmp_path, name):
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("perf/", "reward/groups_refilled", "reward/refill_rounds"))}
             for r in metrics(tmp_path, name) if "reward/mean" in r}
 
 
@@ -495,6 +495,7 @@ def test_smoke_default_options(tmp_path, tiny_model_dir, monkeypatch, capsys):
     (["--tau", "-1"], ["tau"]),
     (["--dual-clip", "0.5"], ["--dual-clip"]),
     (["--novelty-mode", "sideways"], ["--novelty-mode", "invalid choice"]),
+    (["--loss-type", "cispo"], ["--loss-type", "dual clip"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import grpo
+from common import options
 from common.batch import Batch, trainer_logprobs
 from common.config import RunError
 from common.model import Transformer
@@ -224,9 +225,10 @@ def test_token_weights():
     torch.testing.assert_close(grpo.token_weights(lengths, "token-mean", 8, 2, 6), torch.full((6,), 1 / 6))
 
 
+@pytest.mark.parametrize("loss_type", ["clip", "cispo"])
 @pytest.mark.parametrize("options", [{}, {"weights"}, {"seq_ids"}, {"sampler_logp"}, {"ref_logp"}, {"entropy"},
                                      {"weights", "seq_ids", "sampler_logp", "ref_logp", "entropy"}])
-def test_token_loss_plain_is_the_fused_loss(options):
+def test_token_loss_plain_is_the_fused_loss(options, loss_type):
     """grpo.py's written-out loss and the fused call it stands beside: equal values, clip masks and gradients (logp
     and entropy) in float64, with ratios spread far enough that both clips and the TIS cap act."""
     g = torch.Generator().manual_seed(1)
@@ -241,10 +243,10 @@ def test_token_loss_plain_is_the_fused_loss(options):
           "ref_logp": logp.detach() + torch.randn(n, generator=g, dtype=torch.float64)}
     kw = {k: v for k, v in kw.items() if k in options}
     cfg = grpo.Config(tis_cap=1.5 if "sampler_logp" in options else 0.0, kl_coef=0.05 if "ref_logp" in options else 0,
-                      entropy_coef=0.01 if "entropy" in options else 0.0)
-    outs = [f(logp, old, adv, entropy, cfg, **kw) for f in (grpo.token_loss, grpo.token_loss_plain)]
+                      entropy_coef=0.01 if "entropy" in options else 0.0, loss_type=loss_type)
+    outs = [f(logp, old, adv, entropy, cfg, **dict(kw)) for f in (grpo.token_loss, grpo.token_loss_plain)]
     (fused, low_f, high_f), (plain, low_p, high_p) = outs
-    assert low_p.any() and high_p.any()  # both clips act on these inputs
+    assert (low_p.any() or loss_type == "cispo") and high_p.any()  # both clips (CISPO's one) act on these inputs
     assert torch.equal(low_f, low_p) and torch.equal(high_f, high_p)
     torch.testing.assert_close(fused.double(), plain, rtol=1e-5, atol=1e-6)  # the kernel computes in fp32
     weights = torch.rand(n, generator=g, dtype=torch.float64)
@@ -396,6 +398,11 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--tis-cap", "0.5"], ["--tis-cap"]),
     (["--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "10"], ["--mini-batches"]),
     (["--loss-agg", "mean"], ["--loss-agg", "invalid choice"]),
+    (["--refill-rounds", "2"], ["--refill-rounds", "--dynamic-sampling"]),
+    (["--overlong-buffer", "6"], ["--overlong-buffer", "shorter than max_new_tokens"]),
+    (["--top-entropy", "0"], ["--offpolicy-mask/top-entropy", "(0, 1]"]),
+    (["--tis-floor", "1"], ["--tis-floor", "[0, 1)"]),
+    (["--tracker", "mlflow"], ["--tracker", "invalid choice"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, args, words):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"\n')
@@ -529,3 +536,178 @@ def test_evaluations_decode_the_eval_budget_after_the_checkpoint(tmp_path, digit
         seen.clear()
         grpo.main([*digit_run(digit_model_dir, tmp_path), "--steps", "1", "--run-name", name, *extra])
         assert seen == [(budget, False), (budget, True)], (name, seen)
+
+
+# ------------------------------------------------------------------- the GRPO-family options (docs/grpo.md)
+
+def test_overlong_penalty_is_dapo_eq13():
+    lengths = torch.tensor([30, 40, 44, 48])  # L_max 48, L_cache 8: free up to 40, then linear to -1 at 48
+    assert options.overlong_penalty(lengths, 48, 8, 1.0).tolist() == [0.0, 0.0, -0.5, -1.0]
+    assert options.overlong_penalty(lengths, 48, 8, 0.5).tolist() == [0.0, 0.0, -0.25, -0.5]
+
+
+def test_varied_groups_finds_the_groups_with_a_gradient():
+    rewards, group = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    assert grpo.varied_groups(rewards, group, 4).tolist() == [False, True, False, False]  # group 3 is empty
+
+
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    """MiniMax-M1 eq. 4: ∂ℓ/∂log π = -sg(min(r, 1 + ε_high)) A on every token, where PPO's clip gives 0 on tokens with
+    r > 1 + ε_high and A > 0; in the plain loss and the fused one."""
+    log_r = torch.tensor([-1.0, 0.0, 0.1, 0.5, 0.5, -2.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 2.0, 1.0, -1.0, -0.5], dtype=torch.float64)
+    old = torch.full((6,), -1.0, dtype=torch.float64)
+    entropy = torch.zeros(6, dtype=torch.float64)
+    cfg = grpo.Config(loss_type="cispo")
+    expect = -log_r.exp().clamp(max=1.28) * adv
+    for f in (grpo.token_loss_plain, grpo.token_loss):
+        logp = (old + log_r).requires_grad_()
+        loss, low, high = f(logp, old, adv, entropy, cfg)
+        grad, = torch.autograd.grad(loss.sum(), logp)
+        torch.testing.assert_close(grad.double(), expect, rtol=1e-5, atol=1e-6)
+        assert high.tolist() == [False, False, False, True, True, False] and not low.any()
+    ppo_logp = (old + log_r).requires_grad_()
+    grad, = torch.autograd.grad(grpo.token_loss_plain(ppo_logp, old, adv, entropy, grpo.Config())[0].sum(), ppo_logp)
+    assert grad[3] == 0 and expect[3] != 0  # the token PPO's clip silences, CISPO still moves
+
+
+@pytest.mark.parametrize("mode,floor,expect", [
+    ("token-mask", 0.0, [0.4, 1.0, 2.0, 0.0]),  # ρ kept up to C = 3
+    ("token-mask", 0.5, [0.0, 1.0, 2.0, 0.0]),  # IcePop's band [0.5, 3]
+    ("sequence-truncate", 0.0, [0.4, 0.4, 3.0, 3.0]),  # ρ of a completion: the product of its tokens', 8 -> 3
+    ("sequence-mask", 0.0, [0.4, 0.4, 0.0, 0.0]),
+])
+def test_sampler_mismatch_modes(mode, floor, expect):
+    rho = torch.tensor([0.4, 1.0, 2.0, 4.0])  # π_old / π_sampler per token; completions [0, 0, 1, 1]
+    old, seq, adv = torch.zeros(4), torch.tensor([0, 0, 1, 1]), torch.ones(4)
+    cfg = grpo.Config(tis_cap=3.0, tis_mode=mode, tis_floor=floor)
+    w = options.token_mask(old, old, -rho.log(), adv, seq, cfg)
+    torch.testing.assert_close(w, torch.tensor(expect))
+    assert options.token_mask(old, old, -rho.log(), adv, seq, grpo.Config(tis_cap=3.0)) is None  # token-truncate: fused
+
+
+def test_offpolicy_sequence_mask_drops_drifted_negative_completions():
+    """DeepSeek-V3.2: completion 0's mean log(π_sampler / π_θ) is 0.5 > δ = 0.4: dropped when A < 0 only;
+    completion 1 (drift -0.5) always stays."""
+    logp, seq = torch.zeros(4), torch.tensor([0, 0, 1, 1])
+    sampler = torch.tensor([0.2, 0.8, -0.5, -0.5])
+    cfg = grpo.Config(offpolicy_mask=0.4)
+    assert options.token_mask(logp, logp, sampler, -torch.ones(4), seq, cfg).tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert options.token_mask(logp, logp, sampler, torch.ones(4), seq, cfg).tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert options.token_mask(logp, logp, sampler, -torch.ones(4), seq, grpo.Config()) is None
+
+
+def test_high_entropy_keeps_the_top_fraction():
+    entropy = torch.arange(1, 11) / 10  # 0.1 .. 1.0
+    assert options.high_entropy(entropy, 0.2).nonzero()[:, 0].tolist() == [8, 9]
+    assert options.high_entropy(entropy, 1.0).all()
+
+
+def with_entropies(b, seed=0):
+    b.sampler_entropy = torch.rand(len(b.sampler_logp), generator=torch.Generator().manual_seed(seed)) * 3
+    return b
+
+
+@pytest.mark.parametrize("options", [dict(top_entropy=0.3), dict(tis_cap=2.0, tis_mode="sequence-mask"),
+                                     dict(tis_cap=1.5, tis_mode="token-mask", tis_floor=0.8), dict(offpolicy_mask=0.05),
+                                     dict(loss_type="cispo")])
+def test_options_keep_micro_batches_the_big_batch_gradient(model, options):
+    b, rewards = make_batch(skips=[1, 0, 0, 2, 0, 1, 0, 0])
+    b = with_entropies(b)
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    stats, big = run_update(model, b, adv, micro_batch=8, **options)
+    _, small = run_update(model, b, adv, micro_batch=3, **options)
+    torch.testing.assert_close(big[0], small[0], atol=1e-7, rtol=1e-5)
+    _, plain = run_update(model, b, adv, micro_batch=8)
+    if options.get("loss_type") == "cispo":  # on π_old (r = 1) CISPO's gradient is PPO's
+        torch.testing.assert_close(big[0], plain[0], atol=1e-7, rtol=1e-5)
+    else:
+        assert not torch.equal(big[0], plain[0]) and stats["masked"] > 0  # the option changed the gradient
+
+
+def test_top_entropy_trains_exactly_the_high_entropy_tokens(model):
+    """--top-entropy ρ is the loss with weight 0 on every token below the mini-batch's (1 - ρ) entropy quantile."""
+    b, rewards = make_batch()
+    b = with_entropies(b, seed=3)
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    _, cut = run_update(model, b, adv, top_entropy=0.25)
+    mask = options.high_entropy(b.sampler_entropy, 0.25)
+    assert 0 < mask.sum() < len(mask)
+    cfg = grpo.Config(max_grad_norm=1e9, temperature=0.7, max_new_tokens=10)
+    opt = RecordingOptimizer(model)
+    grpo.update(model, model, opt, b, adv, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False),
+                loss_kw={"weights": mask.float()})
+    torch.testing.assert_close(cut[0], opt.grads[0], atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_overlong_mask_takes_completions_out_of_loss_and_totals(model, agg):
+    """Masked completions (skip = their length) give the gradient of the batch without them, advantages unchanged."""
+    b, rewards = make_batch()
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    finished = torch.tensor([True, False, True, True, False, True, True, True])
+    masked = grpo.replace(b, skip=torch.where(finished, b.skip, b.lengths))
+    stats, grads = run_update(model, masked, adv, loss_agg=agg)
+    stats_without, without = run_update(model, b.select(finished), adv[finished], loss_agg=agg)
+    torch.testing.assert_close(grads[0], without[0], atol=1e-7, rtol=1e-5)
+    assert stats["tokens"] == stats_without["tokens"] > 0
+
+
+def test_refill_tops_the_batch_up_to_b_varied_groups(monkeypatch):
+    """DAPO Alg. 1 on a stub sampler: each round's prompts have varied rewards in their first group only; refill keeps
+    sampling rounds until B groups vary, drops the surplus, and gives every kept group a new id."""
+    from common.sampler import Sample
+    from common.tasks import Problem
+    calls = []
+
+    def fake_generate(model, contexts, n, **kw):
+        calls.append(len(contexts))
+        return [[Sample(tokens=[1 + (j == 0 and i % 2)], logprobs=torch.zeros(1), entropies=torch.zeros(1), finished=True)
+                 for i in range(n)] for j in range(len(contexts))]
+
+    class Tok:
+        stop_ids = [0]
+        prompt = staticmethod(lambda text: [5])
+        decode = staticmethod(lambda ids, skip_special=True: str(ids[0] - 1))  # token 2 reads "1", token 1 "0"
+
+    monkeypatch.setattr(grpo, "generate", fake_generate)
+    train = [Problem(prompt=f"q{i}", answer="1") for i in range(10)]
+    cfg = grpo.Config(prompts_per_step=3, group_size=4, dynamic_sampling=True, refill_rounds=5)
+    start = to_batch_of([[1, 2, 1, 2]], group_id=0)
+    b, rewards, added, rounds = grpo.refill(None, Tok(), train, 1, start, torch.tensor([0.0, 1, 0, 1]), cfg,
+                                            torch.autocast("cpu", enabled=False))
+    assert (added, rounds, calls) == (2, 2, [3, 3])  # one varied group per round: 1 + 1 + 1 = B = 3
+    assert len(b.tokens) == 12 and len(rewards) == 12 and len(b.group.unique()) == 3
+    assert b.group.tolist()[4:] == [3] * 4 + [6] * 4  # round r's group j gets id r * B + j
+
+
+def to_batch_of(token_rows, group_id):
+    from common.batch import to_batch
+    from common.sampler import Sample
+    samples = [Sample(tokens=[t], logprobs=torch.zeros(1), entropies=torch.zeros(1), finished=True) for t in token_rows[0]]
+    return to_batch([[5]], [samples], ["1"], group_ids=[group_id])
+
+
+def test_loop_with_the_family_options_on(tmp_path, digit_model_dir):
+    """Refill, overlong shaping and masking, CISPO, the mismatch masks and the entropy cut, in main() itself, and the
+    metrics that show them acting."""
+    run_grpo(tmp_path, *digit_run(digit_model_dir, tmp_path), "--steps", "3", "--run-name", "family",
+             "--dynamic-sampling", "--refill-rounds", "2", "--loss-type", "cispo",
+             "--tis-cap", "2", "--tis-mode", "sequence-mask", "--tis-floor", "0.5", "--offpolicy-mask", "0.5",
+             "--top-entropy", "0.5", "--warmup-steps", "1")
+    rows = [r for r in metrics(tmp_path, "family") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # a step that dropped groups refills (1 or 2 rounds), never with more than it dropped
+        assert (r["reward/refill_rounds"] > 0) == (r["reward/groups_dropped"] > 0) and r["reward/refill_rounds"] <= 2
+        assert r["reward/groups_refilled"] <= r["reward/groups_dropped"]
+        assert 0 <= r["policy/masked_tokens"] <= 1 and math.isfinite(r["optim/grad_norm"])
+    assert any(r["reward/groups_dropped"] > 0 for r in rows)
+
+
+def test_overlong_options_in_the_loop(tmp_path, tiny_model_dir):
+    """The tiny model rarely stops within 6 tokens: the mask takes those completions out, the penalty lowers rewards."""
+    run_grpo(tmp_path, "--model", str(tiny_model_dir), "--steps", "1", "--run-name", "long", *TINY_RUN,
+             "--overlong-mask", "--overlong-buffer", "3")
+    row = [r for r in metrics(tmp_path, "long") if "reward/mean" in r][0]
+    assert row["response/overlong_masked"] == 4 * row["response/truncated"] > 0
+    assert row["reward/mean"] < 0  # the penalty: -1 for a completion cut at 6 tokens, and no right answer
