@@ -31,7 +31,9 @@ OPTIONS = {
                "groups added by refill rounds (of those dropped)"),
     "overlong-mask": (["--overlong-mask"], "response/overlong_masked", "completions cut at the budget, no loss"),
     "overlong-buffer": (["--overlong-buffer", "16"], "reward/mean", "mean reward, lowered by the penalty"),
-    "cispo": (["--loss-type", "cispo"], "policy/clipfrac_high", "tokens whose weight min(r, 1.28) was clipped"),
+    # CISPO's weight differs from PPO's clip only off π_old (r != 1): later mini-batches of a step are
+    "cispo": (["--loss-type", "cispo", "--mini-batches", "4", "--eps-high", "0.02"], "policy/clipfrac_high",
+              "trained tokens whose weight was clipped at 1 + eps_high (each keeps its gradient)"),
     "tis-token-mask": (["--dtype", "bfloat16", "--tis-cap", "1.02", "--tis-mode", "token-mask", "--tis-floor", "0.98"],
                        "policy/masked_tokens", "share of trained tokens masked"),
     "tis-sequence-mask": (["--dtype", "bfloat16", "--tis-cap", "1.1", "--tis-mode", "sequence-mask"],
@@ -73,7 +75,8 @@ def main():
         shown = ", ".join(f"{v:.3g}" for v in values)
         print(f"| {name} | `{' '.join(flags) or '(defaults)'}` | `{metric}` | {statistics.mean(values):.3g} | "
               f"{shown} | {step_s:.1f} |", flush=True)
-    print("\nmetrics: " + "; ".join(f"{m}: {what}" for _, m, what in (OPTIONS[n] for n in args.only or OPTIONS)))
+    described = {metric: what for _, metric, what in (OPTIONS[n] for n in args.only or OPTIONS)}
+    print("\n" + "\n".join(f"{metric}: {what}" for metric, what in described.items()))
 
 
 if __name__ == "__main__":

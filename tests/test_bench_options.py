@@ -1,0 +1,45 @@
+"""bench/options.py and bench/sampling_calls.py: every option row is a command grpo.py accepts, reading a metric grpo.py
+logs; the generate() wrapper reports each call and returns its samples unchanged."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo
+from common.config import parse
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+OPTIONS = load("options").OPTIONS
+SOURCE = (REPO / "grpo.py").read_text()
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_option_row_parses_and_reads_a_logged_metric(name):
+    flags, metric, _ = OPTIONS[name]
+    cfg = parse(grpo.Config, ["--steps", "3", *flags])
+    grpo.validate(cfg)
+    assert f'"{metric}"' in SOURCE  # a metric grpo.py writes, by that name
+
+
+def test_sampling_calls_reports_each_call(capsys):
+    from common.sampler import Sample
+    calls = load("sampling_calls")
+    fake = type(sys)("fake")
+    sample = Sample(tokens=[1, 2, 3], logprobs=torch.zeros(3), entropies=torch.zeros(3), finished=True)
+    fake.generate = lambda model, prompts, n=1, **kw: [[sample] * k for k in (n if isinstance(n, list) else [n] * len(prompts))]
+    calls.wrap(fake)
+    out = fake.generate(None, [[1] * 5, [1] * 9, [1] * 40], n=[2, 1, 0])
+    assert [len(g) for g in out] == [2, 1, 0]
+    line = capsys.readouterr().out
+    assert "3 rows" in line and "2 prompts, longest    9, mean     7" in line and "9 generated" in line
