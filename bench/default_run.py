@@ -97,7 +97,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     out = {"run": str(run), "acc_before": evals[0]["eval/greedy_acc"], "acc_after": evals[-1]["eval/greedy_acc"],
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps),
            "step_split": {part: mean(f"perf/{part}_s") for part in ("sample", "score", "train")}, "gflops": gflops}
-    print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if wall is not None else ""))
+    print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if gflops is not None else ""))  # made here, now
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
           f"{out['acc_before']:.3f} -> {out['acc_after']:.3f} ({100 * (out['acc_after'] - out['acc_before']):+.1f} points) |")
@@ -165,12 +165,14 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     return evals[0], evals[1]
 
 
-def overview(results: list):
+def overview(results: list, ran_here: bool = True):
     """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
-    mean +- std of the gain and of that ratio over seeds per algorithm."""
+    mean +- std of the gain and of that ratio over seeds per algorithm. ran_here: the runs were made on this machine
+    just now (else its CPU flags are not theirs: --run reads runs made anywhere)."""
     grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
     ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
-    print(f"\nCPU flags: {cpu_flags()}")
+    print(f"\nCPU flags: {cpu_flags()}" if ran_here else
+          f"\nmachine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
           "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|")
     for algo, seed, r in results:
@@ -261,7 +263,7 @@ def main():
                             summarise(run, wall=logged_time(run), predict_gflops=args.predict_gflops)))
             if args.held_out:
                 reevaluate(run, args.held_out)
-        return overview(results)
+        return overview(results, ran_here=False)
     algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:

@@ -69,9 +69,8 @@ class Config:
     samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
     temperature: float = 1.0  # sampling temperature for pass@k / maj@k
     max_new_tokens: int = 256  # generation budget per completion
-    # 150 (a default run's 300 held-out problems in two calls): on a 2-core AVX2 CPU the base SmolLM2-135M evaluated
-    # them in 84 s at --batch 150 and 96 s at --batch 64 (--data arith --limit 300 --max-new-tokens 64), for a KV
-    # cache of ~6 MB per prompt (0.9 GB at 150)
+    # 150: a default run's 300 held-out problems in two calls; a larger batch decodes faster per problem on a CPU, for
+    # a KV cache of ~6 MB per prompt (0.9 GB at 150; measured in docs/benchmarks.md)
     batch: int = 150  # problems per greedy generation call
     sample_batch: int = 64  # problems per sampled generation call (x samples completions each)
     seed: int = 0  # seeds the arith task and the sampler

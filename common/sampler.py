@@ -123,10 +123,9 @@ def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False):
     `shared` columns the same in every row); sample s continues prompt sel[s]. With several samples per prompt,
     each prompt's keys and values are stored once and read once by decode attention (KVCache.share): for 8
     samples of arithmetic prompts ~0.3 GB less cache and half the bytes attention reads. Also when a prompt appears
-    twice among the prompts (its samples then are not adjacent): falling back to repeated rows there raised a
-    default CPU run's peak by 0.16-0.18 GB at the steps that drew a problem twice (bench/grpo.py, seeds 0, 2).
-    Otherwise, and for a compiled step (plain: one fixed layout), each prompt's rows are repeated for its samples.
-    (Sharing the common start of one-sample prompts, as in evaluation, was tried: no faster, and a higher peak.)"""
+    twice among the prompts (its samples then are not adjacent), where repeated rows would raise a run's peak
+    (docs/benchmarks.md, Memory). Otherwise, and for a compiled step (plain: one fixed layout), each prompt's rows are
+    repeated for its samples; one-sample prompts (evaluation) gain nothing from sharing and would peak higher."""
     S, (U, W) = len(sel), ids.shape
     share = not plain and S > U and W > 0
     cache = model.new_cache(U, W if share else max_len)
