@@ -570,6 +570,9 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
     plan, round_ctx = [cfg.base_rollouts] * B, [(c, False) for c in contexts]  # the base round: plain prompts
     chunks = [[] for _ in range(B)]  # each prompt's (context, samples, texts, scores, is_icl), round after round
     so_far = [[] for _ in range(B)]  # each prompt's 0/1 scores so far this step
+    # the prompts' keys and values, kept from round to round (the weights and the corpus change only after the step):
+    # a prompt sampled again, plain or with the same in-context prompt, is not prefilled again
+    prompt_kv = {}
     for r in range(len(budgets) + 1):
         if r > 0:  # our choice: the allocator reads the verifier's 0/1, not the optional format term
             plan = allocate(gather(so_far), budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, cfg.alloc)
@@ -577,7 +580,8 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
             round_ctx = round_contexts(tok, [p.prompt for p in problems], contexts, so_far, plan, corpus,
                                        cfg.icl_shots, cfg.icl_max_len, icl=cfg.icl)
         with torch.no_grad(), autocast:
-            groups = generate(rollout, [c for c, _ in round_ctx], n=plan, seed=seed + 104_729 * r, **kw)
+            groups = generate(rollout, [c for c, _ in round_ctx], n=plan, seed=seed + 104_729 * r,
+                              prompt_kv=prompt_kv, **kw)
         for q, ((c, is_icl), g) in enumerate(zip(round_ctx, groups)):
             ts = [tok.decode(s.tokens, skip_special=True) for s in g]
             cs = [score(t, answers[q]) for t in ts]

@@ -118,18 +118,33 @@ def prefill(model, ids, mask, cache, shared=0):
               return_hidden=True)
 
 
-def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False):
+def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False, keys=None, reuse=None):
     """The KV cache of the S samples after the prefill of their distinct prompts ids, pmask [U, W] (the first
     `shared` columns the same in every row); sample s continues prompt sel[s]. With several samples per prompt,
     each prompt's keys and values are stored once and read once by decode attention (KVCache.share): for 8
     samples of arithmetic prompts ~0.3 GB less cache and half the bytes attention reads. Also when a prompt appears
     twice among the prompts (its samples then are not adjacent), where repeated rows would raise a run's peak
     (docs/benchmarks.md, Memory). Otherwise, and for a compiled step (plain: one fixed layout), each prompt's rows are
-    repeated for its samples; one-sample prompts (evaluation) gain nothing from sharing and would peak higher."""
+    repeated for its samples; one-sample prompts (evaluation) gain nothing from sharing and would peak higher.
+    reuse: generate's prompt_kv, keyed by keys[u] (prompt u's token tuple): prompts found there are copied, not
+    prefilled; the others are prefilled and stored there."""
     S, (U, W) = len(sel), ids.shape
     share = not plain and S > U and W > 0
     cache = model.new_cache(U, W if share else max_len)
-    prefill(model, ids, pmask, cache, shared)
+    todo = list(range(U)) if reuse is None else [u for u in range(U) if keys[u] not in reuse]
+    if len(todo) == U:
+        prefill(model, ids, pmask, cache, shared)
+    elif todo:  # only the prompts not seen before; their common start is still common
+        part = model.new_cache(len(todo), W)
+        prefill(model, ids[todo], pmask[todo], part, shared)
+        cache.k[:, todo, :, :W], cache.v[:, todo, :, :W] = part.k, part.v
+    for u in range(U if reuse is not None else 0):  # a prompt's keys and values at its real (unpadded) columns
+        cols = pmask[u].nonzero()[:, 0]
+        if keys[u] in reuse:
+            cache.k[:, u].index_copy_(2, cols, reuse[keys[u]][0])
+            cache.v[:, u].index_copy_(2, cols, reuse[keys[u]][1])
+        else:
+            reuse[keys[u]] = cache.k[:, u].index_select(2, cols), cache.v[:, u].index_select(2, cols)
     return cache.share(sel, max_len) if share else cache.select(sel)
 
 
@@ -177,7 +192,8 @@ def _compile(fn, **kw):
 # ------------------------------------------------------------------------------------------ generate
 
 def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=None,
-             seed=None, *, prefixes=None, companion=None, return_hidden=False, check_every=8, compile=False):
+             seed=None, *, prefixes=None, companion=None, return_hidden=False, check_every=8, compile=False,
+             prompt_kv=None):
     """Sample completions: returns one list per prompt of its Sample's (prompt-major, n[i] of them).
 
     prompts: list of token-id lists. n: int, or one int per prompt (0 gives an empty list).
@@ -194,6 +210,9 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     check_every: steps between host reads of the done flags (early exit, dropping finished rows).
     compile: torch.compile the one-token step (CUDA graphs on GPU); the batch then keeps a fixed shape and
       finished rows are not dropped, only the early exit remains.
+    prompt_kv: a dict the caller keeps across calls while the weights stay the same: each prompt's keys and values
+      are stored there after its prefill and copied from there instead of prefilled again (a prompt sampled in
+      several calls, as XRPO's rounds do). A prompt's keys and values do not depend on its batch's padding.
     """
     ns, pre = _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p, top_k)
     if stop_ids is None:
@@ -225,7 +244,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
         ids, pmask = torch.cat((head, ids), 1), torch.cat((torch.ones_like(head, dtype=torch.bool), pmask), 1)  # [U, W]
         seg, smask = _left_pad([[prompts[owner[s]][-1], *pre[s]] for s in range(S)], L + 1, dev)  # [S, L+1]
         sel = torch.tensor(urow, device=dev)
-        cache = _prompt_cache(model, ids, pmask, C, sel, max_len, plain=compile)
+        cache = _prompt_cache(model, ids, pmask, C, sel, max_len, plain=compile, keys=list(uniq), reuse=prompt_kv)
         mask = torch.zeros(S, max_len, dtype=torch.bool, device=dev)  # real tokens; columns turn on as written
         mask[:, :W], mask[:, W:W + L + 1] = pmask[sel], smask
         padded = not mask[:, :W + L + 1].all()

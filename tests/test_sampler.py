@@ -404,3 +404,28 @@ def test_bad_input_names_the_argument(tiny, kw, words):
         generate(tiny["qwen2"][0], max_new_tokens=2, **kw)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("compile_path", [False, True])
+def test_prompt_kv_reuse_equals_a_fresh_prefill(tiny, monkeypatch, compile_path):
+    """prompt_kv: prompts seen in an earlier call are copied, not prefilled (only the new one goes through the model),
+    and every sample decodes and scores as with a fresh prefill; prompts of different lengths and a shared start, so
+    the copied columns sit at other paddings than where they were computed."""
+    model, _ = tiny["llama-gqa"]
+    head = rand_prompts([6], seed=7)[0]
+    prompts = [head + rest for rest in rand_prompts([3, 9, 7, 1], seed=8)]
+    kv = {}
+    generate(model, prompts[:2], n=2, max_new_tokens=4, temperature=0.9, stop_ids=(), seed=1, prompt_kv=kv)
+    assert set(kv) == {tuple(p) for p in prompts[:2]}
+    prefilled = []
+    real_prefill = sampler.prefill
+    monkeypatch.setattr(sampler, "prefill", lambda m, ids, *a, **kw: prefilled.append(len(ids)) or real_prefill(m, ids, *a, **kw))
+    if compile_path:  # the layout of a compiled step (one row per sample), run eagerly here
+        monkeypatch.setattr(sampler, "_compile", lambda fn, **kw: fn)
+    kw = dict(n=[1, 2, 0, 3], max_new_tokens=10, temperature=0.9, stop_ids=(), seed=4, compile=compile_path)
+    again = generate(model, prompts, prompt_kv=kv, **kw)
+    assert prefilled == [1]  # prompt 3 only (prompt 2 has no samples)
+    fresh = generate(model, prompts, **kw)
+    assert [[s.tokens for s in g] for g in again] == [[s.tokens for s in g] for g in fresh]
+    check_scores(model, prompts, again, 0.9)
+    assert len(kv) == 3
