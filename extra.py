@@ -789,10 +789,14 @@ def main(argv=None):
         regen_on = cfg.regen and step > cfg.regen_warmup
         contexts, answers, guided, extra_state["queue"] = inject(
             contexts, [p.answer for p in problems], extra_state["queue"], cfg.regen_rows if regen_on else 0)
+        # ExTra §3.2 cuts at low-entropy points at T = 1: the sampler records those entropies alongside (our choice:
+        # from the rollout itself, π_θold's distribution at each token, instead of a second pass over the rollouts)
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
+                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank(),
+                              entropy_at=1.0 if regen_on else None)
         b = to_batch(contexts, groups, answers, group_ids=range(B))
+        entropy_t1 = [s.extras["entropy_at"] for g in groups for s in g] if regen_on else None  # [N] of [len]
         t_sample = time.time()
 
         # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
@@ -819,16 +823,16 @@ def main(argv=None):
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         if ref_model is not None:
             ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
-        # ExTra §3.2: the hard prompts' most confident rollouts, cut into prefixes scored by the trainer's entropies
+        # ExTra §3.2: the hard prompts' most confident rollouts, cut into prefixes at low-entropy points
         hard = is_hard(correct.view(B, G))  # [B]
         items, stored = [], 0
         if regen_on and hard.any():
-            # our choice: with --cuttable-only a rollout without a cut point is never chosen, so it is not scored
+            # our choice: with --cuttable-only a rollout without a cut point is never chosen
             can_cut = [not cfg.cuttable_only or bool(prefix_cuts(t, nl_ids, cfg.boundary_gap)) for t in b_all.tokens]
-            sub = b_all.select(hard[b_all.group] & torch.tensor(can_cut, dtype=torch.bool))
-            # entropies at T = 1 as in the paper (this pass is ours alone, so it need not share the sampling temperature)
-            _, entropy = trainer_logprobs(model, sub, cfg.micro_batch, 1.0, tok.pad_id, device, autocast)
-            entropy, of = entropy.split(sub.lengths.tolist()), sub.group.tolist()  # of: each scored rollout's row
+            chosen = hard[b_all.group] & torch.tensor(can_cut, dtype=torch.bool)  # [N]
+            sub = b_all.select(chosen)
+            entropy = [entropy_t1[i] for i in chosen.nonzero()[:, 0].tolist()]  # at T = 1, as in the paper
+            of = sub.group.tolist()  # each candidate rollout's row
             rows = [(contexts[r], answers[r], [t for t, g in zip(sub.tokens, of) if g == r],
                      [h for h, g in zip(entropy, of) if g == r]) for r in hard.nonzero()[:, 0].tolist()]
             items, stored = regenerate(extra_state, rows, lambda s: embed_texts(encoder, s, centre, tok.pad_id, autocast),

@@ -13,7 +13,6 @@ import extra
 import grpo
 from common.config import main_guard
 from common.model import Transformer
-from common.sampler import Sample
 from common.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
@@ -315,18 +314,19 @@ def test_regenerate_stores_selects_and_queues():
 
 
 def test_token_entropy_bounds(model):  # property 11
-    """The regeneration's entropies: the trainer's scoring pass at T = 1, over the whole vocabulary."""
+    """The regeneration's entropies: π_θold's at T = 1 over the whole vocabulary, recorded by the sampler while it
+    samples at the run's temperature (generate's entropy_at, as the loop calls it)."""
     g = torch.Generator().manual_seed(0)
     contexts = [torch.randint(3, 5000, (5,), generator=g).tolist() for _ in range(2)]
-    tokens = [torch.randint(3, 5000, (7,), generator=g).tolist() for _ in range(2)]
-    groups = [[Sample(t, torch.zeros(7), torch.zeros(7), True)] for t in tokens]
-    b = extra.to_batch(contexts, groups, ["1", "2"], group_ids=range(2))
-    _, ent = extra.trainer_logprobs(model, b, 16, 1.0, 0, torch.device("cpu"), contextlib.nullcontext())
-    with torch.no_grad():
-        logits = torch.stack([model(torch.tensor([c + t]))[0, len(c) - 1:-1] for c, t in zip(contexts, tokens)])
-    logp = logits.float().log_softmax(-1)
-    assert (ent >= 0).all() and (ent <= math.log(model.cfg.vocab_size) + 1e-4).all()
-    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1).flatten(), atol=1e-4)
+    groups = extra.generate(model, contexts, n=2, max_new_tokens=7, temperature=0.8, stop_ids=(), seed=0, entropy_at=1.0)
+    for c, group in zip(contexts, groups):
+        for s in group:
+            ent = s.extras["entropy_at"]
+            with torch.no_grad():
+                logp = model(torch.tensor([c + s.tokens]))[0, len(c) - 1:-1].float().log_softmax(-1)  # T = 1
+            assert (ent >= 0).all() and (ent <= math.log(model.cfg.vocab_size) + 1e-4).all()
+            assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
+            assert (ent >= s.entropies - 1e-6).all()  # entropy rises with the temperature: T = 1 over T = 0.8
 
 
 # ------------------------------------------------------------------------------------ the loop itself
