@@ -19,7 +19,6 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
     return -penalty * (lengths.float() - (max_new_tokens - buffer)).clamp(min=0) / buffer
 
 
-
 def token_mask(old, logp, sampler_logp, adv, seq, cfg):
     """The options that weight or drop whole tokens or completions from π_old, π_θ and the sampler's log-probs, as one
     constant factor per token, None when all are off. old, logp (detached), sampler_logp, adv [n]; seq [n] each
@@ -40,7 +39,6 @@ def token_mask(old, logp, sampler_logp, adv, seq, cfg):
         keep = ~((adv < 0) & (drift > cfg.offpolicy_mask))
         w = keep.float() if w is None else w * keep
     return w
-
 
 
 def high_entropy(entropy: torch.Tensor, keep: float) -> torch.Tensor:

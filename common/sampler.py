@@ -257,9 +257,10 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
         # the prefix tokens, scored from the states one column to their left
         is_pre = smask[:, 1:] & smask[:, :-1]  # [S, L], True where the next column holds a prefix token
         pre_h = h[:, :L][is_pre]  # [N, d]
-        pre_logp, pre_ent = logprobs_entropy(model.lm_head(pre_h), seg[:, 1:][is_pre], temperature or 1.0)
-        pre_x = {} if entropy_at is None else \
-            {"entropy_at": logprobs_entropy(model.lm_head(pre_h), seg[:, 1:][is_pre], entropy_at)[1]}
+        pre_logits, pre_targets = model.lm_head(pre_h), seg[:, 1:][is_pre]
+        pre_logp, pre_ent = logprobs_entropy(pre_logits, pre_targets, temperature or 1.0)
+        pre_x = {} if entropy_at is None else {"entropy_at": logprobs_entropy(pre_logits, pre_targets, entropy_at)[1]}
+        pre_logits = None
 
         follower = None if companion is None else _Follower(companion, S, steps, dev)
         if follower is not None:
