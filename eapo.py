@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from common import checkpoint, dist
-from common.batch import Batch, completion_logprobs, to_batch, token_index, trainer_logprobs
+from common.batch import Batch, completion_logprobs, to_batch, token_index, trainer_logprobs, varied_share
 from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate
 from common.hub import resolve_model_dir
@@ -619,6 +619,7 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
         "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "reward/varied_rollouts": varied_share(b.group, rewards),
         "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
         "response/truncated": (~b.finished).float().mean().item(),
         "policy/entropy": stats["entropy"] / seen, "policy/clipfrac_low": stats["clip_low"] / seen,

@@ -10,6 +10,7 @@ prompt, a prompt plus a given prefix...), belongs to group[i] (advantages are re
 may differ in size), and its first skip[i] tokens were given rather than sampled, so they get no loss. Per-token
 values live in flat [n_tok] tensors over all completion tokens, completion after completion.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,19 @@ def to_batch(contexts, groups, answers, group_ids) -> Batch:
                  finished=torch.tensor([s.finished for _, s, _, _ in rows], dtype=torch.bool),
                  answer=[a for _, _, a, _ in rows],
                  sampler_entropy=torch.cat([torch.zeros(0)] + [s.entropies.float().cpu() for _, s, _, _ in rows]))
+
+
+def varied_share(group: torch.Tensor, rewards: torch.Tensor) -> float:
+    """The share of completions whose group's rewards are not all equal: those with a non-zero group-relative
+    advantage, so a gradient (what XRPO's allocation and ExGRPO's replay aim to raise)."""
+    if len(group) == 0:
+        return 0.0
+    _, inverse = group.unique(return_inverse=True)
+    n = int(inverse.max()) + 1
+    r = rewards.double()
+    lo = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amin")
+    hi = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amax")
+    return (hi > lo)[inverse].double().mean().item()
 
 
 def token_index(lengths: torch.Tensor, idx) -> torch.Tensor:

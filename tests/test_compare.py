@@ -1,21 +1,28 @@
-"""bench/compare.py on a tiny model: two algorithms for one step, the table, the reuse of finished runs."""
+"""bench/compare.py: two algorithms for one step on a tiny model, the report, reuse and resume; the statistics and
+verdicts from synthetic numbers; the job scheduler."""
 import json
+import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from bench import compare
-from common.config import ConfigError
+from common.config import ConfigError, RunError
+from common.passk import pass_at_k
 
-# a variant that exists (EAPO first: it also exercises the prior made by the GRPO run); else GRPO on two seeds
+# a variant that exists (EAPO first: it also exercises the prior made by the GRPO run); else GRPO alone
 VARIANT = next((a for a in ("eapo", "xrpo", "exgrpo", "extra") if (compare.REPO / f"{a}.py").is_file()), None)
-ALGOS, SEEDS = ("grpo", VARIANT) if VARIANT else ("grpo",), (0,) if VARIANT else (0, 1)
+ALGOS = ("grpo", VARIANT) if VARIANT else ("grpo",)
 
 
-def tiny_argv(model_dir, out="out/table.md"):
-    return ["--algos", ",".join(ALGOS), "--seeds", ",".join(map(str, SEEDS)), "--steps", "1", "--model", str(model_dir),
-            "--max-new-tokens", "4", "--eval-size", "3", "--eval-samples", "2", "--prompts-per-step", "2",
-            "--group-size", "2", "--train-size", "4", "--curve-every", "1", "--curve-size", "3", "--out", out]
+def tiny_argv(model_dir, out="out/report.md", seeds="0"):
+    # --curve-size = --eval-size: the runs' own greedy evaluation sees the same batch as the harness's
+    return ["--algos", ",".join(ALGOS), "--seeds", seeds, "--steps", "1", "--model", str(model_dir),
+            "--max-new-tokens", "4", "--eval-size", "4", "--eval-samples", "2", "--pool-samples", "3",
+            "--prompts-per-step", "2", "--group-size", "2", "--train-size", "5", "--curve-every", "1",
+            "--curve-size", "4", "--save-every", "1", "--jobs", "2", "--out", out]
 
 
 def table_row(text: str, algo: str) -> list[str]:
@@ -25,6 +32,10 @@ def table_row(text: str, algo: str) -> list[str]:
 
 def read_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def tables(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
 
 
 @pytest.fixture
@@ -37,67 +48,58 @@ def workdir(tmp_path, monkeypatch):
 def test_two_algorithms_one_step_then_reuse(tiny_model_dir, workdir, monkeypatch, capsys):
     compare.main(tiny_argv(tiny_model_dir))
     first = capsys.readouterr().out
-    text = (workdir / "out/table.md").read_text()
+    assert "estimated" in first.split("run: ")[0]  # the time left is printed before anything starts
+    text = (workdir / "out/report.md").read_text()
+    start = json.loads((workdir / "runs/cmp-start/s0.json").read_text())["eval"]
+    assert len(start["greedy"]) == 4 and len(start["correct"]) == 4 and len(start["pool_correct"]) == 5
     for algo in ALGOS:
-        seed = SEEDS[0]
-        run = workdir / "runs" / f"cmp-{algo}-s{seed}"
-        assert f"run: python {compare.REPO / algo}.py --run-name cmp-{algo}-s{seed}" in first  # the user's command
+        run = workdir / "runs" / f"cmp-{algo}-s0"
+        assert f"run: python {compare.REPO / algo}.py --run-name cmp-{algo}-s0" in first  # the user's command
+        assert (workdir / "runs" / f"cmp-{algo}-s0.log").read_text().count("done: greedy accuracy") == 1  # --jobs 2
         rows = read_rows(run)
-        start = json.loads((workdir / f"runs/cmp-start/s{seed}.json").read_text())["eval"]
         after = json.loads((run / "compare_eval.json").read_text())["eval"]
         # the harness evaluates what the run evaluated itself: same problems, same model, same greedy answers
-        assert start["eval/greedy_acc"] == rows[0]["eval/greedy_acc"] and rows[0]["step"] == 0
-        assert after["eval/greedy_acc"] == rows[-1]["eval/greedy_acc"] and rows[-1]["step"] == 1
-        assert set(after) == {"eval/greedy_acc", "eval/pass@1", "eval/pass@2", "eval/maj@2"}
+        assert sum(start["greedy"]) / 4 == rows[0]["eval/greedy_acc"] and rows[0]["step"] == 0
+        assert sum(after["greedy"]) / 4 == rows[-1]["eval/greedy_acc"] and rows[-1]["step"] == 1
+        assert all(0 <= c <= 2 for c in after["correct"]) and all(0 <= d <= c for d, c in zip(after["distinct"],
+                                                                                              after["correct"]))
+        assert all(0 <= c <= 3 for c in after["pool_correct"]) and len(after["pool_correct"]) == 5
         cells = table_row(text, algo)
-        assert cells[1] == str(len(SEEDS))
-        if len(SEEDS) == 1:  # the gain column is after - before, in points
-            assert cells[2] == f"{100 * (after['eval/greedy_acc'] - start['eval/greedy_acc']):+.1f}"
+        assert cells[1] == "1"
+        assert cells[2] == f"{100 * (sum(after['greedy']) - sum(start['greedy'])) / 4:+.1f}"  # Δ greedy, points
+        assert cells[3] == f"{100 * (sum(after['correct']) - sum(start['correct'])) / 8:+.1f}"  # Δ pass@1
         step = next(r for r in rows if "perf/step_s" in r)
+        assert 0 <= step["reward/varied_rollouts"] <= 1
         assert cells[-3] == "4"  # rollouts: 1 step x 2 prompts x 2 completions
-        assert cells[-2] == f"{step['response/len_mean'] * 4:.0f}"  # tokens sampled: the completions' lengths
-        assert cells[-1] == f"{step['perf/train_tok_s'] * step['perf/train_s']:.0f}"
+        assert cells[-2] == f"{step['perf/sampled_tokens']:.0f}"
     if VARIANT == "eapo":  # its prior is the GRPO run of its seed
         command = json.loads((workdir / "runs/cmp-eapo-s0/compare.json").read_text())["command"]
         assert command[command.index("--prior") + 1] == str(Path("runs/cmp-grpo-s0/checkpoint"))
-    assert "## The papers' claims and ours" in text and "EAPO (arXiv 2606.30420)" in text
+    assert "## The papers' claims at our scale" in text and "Verdict rule: supported" in text
 
-    # a second call reuses every run and every evaluation: no process is started, nothing is re-evaluated
+    # a second call reuses every run and every evaluation: no process is started, the same report
     stamps = {p: p.stat().st_mtime_ns for p in (workdir / "runs").rglob("*") if p.is_file()}
-    real_run, real_evaluate = compare.subprocess.run, compare.evaluate_model
+    real_run = compare.subprocess.run
     monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail(f"started a process: {a}"))
-    monkeypatch.setattr(compare, "evaluate_model", lambda *a, **k: pytest.fail("evaluated again"))
     compare.main(tiny_argv(tiny_model_dir, out="out/again.md"))
     second = capsys.readouterr().out
-    assert all(f"reuse cmp-{a}-s{s}: finished at step 1" in second for a in ALGOS for s in SEEDS)
+    assert all(f"reuse cmp-{a}-s0: finished at step 1" in second for a in ALGOS)
     assert stamps == {p: p.stat().st_mtime_ns for p in (workdir / "runs").rglob("*") if p.is_file() and p in stamps}
-    tables = lambda t: [line for line in t.splitlines() if line.startswith("|")]  # noqa: E731
     assert tables((workdir / "out/again.md").read_text()) == tables(text)
+    # --report-only: nothing run or evaluated (still patched), the same tables from the cached results
+    compare.main([*tiny_argv(tiny_model_dir), "--report-only", "--out", "out/only.md"])
+    assert tables((workdir / "out/only.md").read_text()) == tables(text)
 
-    # --report-only: the table from the runs' own greedy evaluations, nothing run or evaluated (still patched)
-    compare.main([*tiny_argv(tiny_model_dir), "--report-only", "--out", "out/report.md"])
-    report = (workdir / "out/report.md").read_text()
-    for algo in ALGOS:
-        rows = read_rows(workdir / "runs" / f"cmp-{algo}-s{SEEDS[0]}")
-        gain = 100 * (rows[-1]["eval/greedy_acc"] - rows[0]["eval/greedy_acc"])
-        assert table_row(report, algo)[2] == (f"{gain:+.1f}" if len(SEEDS) == 1 else table_row(report, algo)[2])
-    assert "| algorithm | seeds | Δ greedy | train time |" in report and "pass@k not measured" in report
-    # ... and the harness's own cached evaluations, after − before, beside it
-    start = json.loads((workdir / f"runs/cmp-start/s{SEEDS[0]}.json").read_text())["eval"]
-    after = json.loads((workdir / f"runs/cmp-grpo-s{SEEDS[0]}/compare_eval.json").read_text())["eval"]
-    row = table_row(report.split("## The harness's own evaluations that finished")[1], "grpo")
-    assert row[2] == f"{100 * (after['eval/greedy_acc'] - start['eval/greedy_acc']):+.1f}"
-
-    # more steps: the finished run is continued from its checkpoint, not started again
+    # more steps: the finished run is continued from its checkpoint, not started again; its evaluation is redone
     argv = tiny_argv(tiny_model_dir, out="out/longer.md")
     argv[argv.index("--algos") + 1], argv[argv.index("--steps") + 1] = "grpo", "2"
     monkeypatch.setattr(compare.subprocess, "run", real_run)
-    monkeypatch.setattr(compare, "evaluate_model", real_evaluate)
     compare.main(argv)
     third = capsys.readouterr().out
-    run = workdir / f"runs/cmp-grpo-s{SEEDS[0]}"
-    assert f"resume: python {compare.REPO / 'grpo'}.py --run-name cmp-grpo-s{SEEDS[0]}" in third and "--resume" in third
+    run = workdir / "runs/cmp-grpo-s0"
+    assert "resume: python" in third and "--resume" in third and "evaluate cmp-grpo-s0" in third
     assert [r["step"] for r in read_rows(run)] == [0, 1, 1, 2, 2]  # evaluations at 0, 1, 2 and two training steps
+    assert json.loads((run / "compare_eval.json").read_text())["key"]["step"] == 2
     assert table_row((workdir / "out/longer.md").read_text(), "grpo")[-3] == "8"  # 2 steps x 4 rollouts
 
     # a run made with another setting is not silently reused
@@ -111,49 +113,135 @@ def test_missing_file_is_skipped_and_bad_options_refused(workdir, monkeypatch, c
     out = capsys.readouterr().out
     assert "skip xrpo:" in out and "skip extra:" in out and "not written yet" in out
     assert not (workdir / "runs").exists() and "no algorithm" in (workdir / "t.md").read_text()
-    with pytest.raises(ConfigError, match="--algos"):
-        compare.main(["--algos", "grpo,ppo"])
-    with pytest.raises(ConfigError, match="--seeds"):
-        compare.main(["--seeds", "a,b"])
+    for argv, option in ((["--algos", "grpo,ppo"], "--algos"), (["--seeds", "a,b"], "--seeds"),
+                         (["--eval-size", "10", "--curve-size", "20"], "--curve-size"), (["--jobs", "0"], "--jobs")):
+        with pytest.raises(ConfigError, match=option):
+            compare.main(argv)
 
 
-def test_claims_and_table_from_numbers():
-    """The table and the claims column are computed from the measured numbers: synthetic runs with known gains."""
-    cfg = compare.Config(eval_samples=8, eval_size=280, curve_every=5)
-    keys = [k for k, _ in compare.metrics(cfg)]
-    assert keys == ["eval/greedy_acc", "eval/pass@1", "eval/pass@4", "eval/pass@8", "eval/maj@8"]
-    before = {s: {k: 0.30 for k in keys} for s in (0, 1, 2)}
-
-    def runs(gains, curve):  # per seed: every metric up by the seed's gain; one greedy curve for all seeds
-        summary = {"rollouts": 960.0, "tok_sampled": 4.0e4, "tok_trained": 4.0e4, "train_s": 600.0, "wall_s": 900.0,
-                   "curve": [(st, 64 * st, 40.0 * st, a) for st, a in curve], "anneal_end": 8}
-        return {s: {"eval": {k: 0.30 + g for k in keys}, "summary": summary} for s, g in enumerate(gains)}
-
-    results = {"grpo": runs([0.02, 0.04, 0.06], [(0, 0.3), (5, 0.34), (10, 0.38), (15, 0.40)]),
-               "exgrpo": runs([0.05, 0.07, 0.09], [(0, 0.3), (5, 0.3), (10, 0.3), (15, 0.3)]),
-               "xrpo": runs([0.00, 0.04, 0.02], [(0, 0.3), (5, 0.40), (10, 0.41), (15, 0.42)]),
-               "eapo": runs([0.00, 0.01, 0.02], [(0, 0.3), (5, 0.3), (10, 0.3), (15, 0.3)])}
-    rows = {line.split("|")[1].strip(): line for line in compare.table(cfg, results, before) if line.startswith("| ")}
-    assert rows["grpo"].startswith("| grpo | 3 | +4.0 ± 2.0 | +4.0 ± 2.0 |")  # gains in points, mean ± std
-    assert rows["grpo"].endswith("| 10.0 min | 960 | 40.0k | 40.0k |")
-    text = "\n".join(compare.claims(cfg, results, before))
-    assert "ExGRPO − GRPO: +3.0 pts (3 seeds, s.e. 0.0): same way |" in text  # every seed +3 over GRPO's
-    # GRPO first reaches its final 40% at step 15, XRPO at step 5: 3x fewer steps
-    assert "GRPO first reaches its final 40.0% at step 15.0, XRPO at step 5.0: 3.0x fewer steps: same way" in text
-    assert "EAPO − GRPO: -3.0 pts (3 seeds, s.e. 0.6): opposite way;" in text and "T = 8 steps" in text
-    assert "ExTra − GRPO: not measured" in text
+def test_quantities_from_per_problem_counts():
+    """pass@k, the pass@k - pass@1 gap, distinct answers and the never-solved pool rate, by hand."""
+    cfg = compare.Config(eval_samples=4, pool_samples=2)
+    ev = {"greedy": [1, 0, 0, 1], "correct": [4, 2, 0, 1], "distinct": [2, 2, 0, 1], "pool_correct": [2, 1, 0, 1]}
+    q = compare.quantities(cfg, ev, start_pool=[0, 2, 0, 1])  # the start model never solved pool questions 0 and 2
+    assert q["greedy"] == 0.5 and q["pass@1"] == pytest.approx((1 + 0.5 + 0 + 0.25) / 4)
+    assert q["pass@4"] == 0.75 and q["pass@2"] == pytest.approx((1 + pass_at_k(4, 2, 2) + 0 + 0.5) / 4)
+    assert q["gap"] == pytest.approx(0.75 - q["pass@1"]) and q["distinct"] == 1.25
+    assert q["never_solved"] == pytest.approx((2 / 2 + 0 / 2) / 2)
+    assert compare.quantities(cfg, ev, start_pool=[1, 1, 1, 1])["never_solved"] is None
 
 
-def test_jobs_runs_and_evaluations_side_by_side(tiny_model_dir, workdir, capsys):
-    """--jobs 2: the runs, then the evaluations, two at a time (each run's output in its log); same table."""
-    argv = [*tiny_argv(tiny_model_dir), "--algos", "grpo", "--seeds", "0,1", "--jobs", "2"]
-    compare.main(argv)
-    for seed in (0, 1):
-        run = workdir / "runs" / f"cmp-grpo-s{seed}"
-        assert (workdir / "runs" / f"cmp-grpo-s{seed}.log").read_text().count("done: greedy accuracy") == 1
-        start = json.loads((workdir / f"runs/cmp-start/s{seed}.json").read_text())["eval"]
-        after = json.loads((run / "compare_eval.json").read_text())["eval"]
-        rows = read_rows(run)
-        assert start["eval/greedy_acc"] == rows[0]["eval/greedy_acc"]
-        assert after["eval/greedy_acc"] == rows[-1]["eval/greedy_acc"]
-    assert table_row((workdir / "out/table.md").read_text(), "grpo")[1] == "2"
+def test_verdicts_by_the_rule():
+    """Supported beyond +2 s.e., contradicted beyond -2 s.e., undecided within, or with one seed."""
+    assert compare.verdict([3.0, 3.5, 2.5, 3.0, 3.0])[1] == "supported"
+    assert compare.verdict([-3.0, -3.5, -2.5, -3.0, -3.0])[1] == "contradicted"
+    assert compare.verdict([4.0, -3.0, 2.0, -1.0, 0.5])[1] == "undecided"
+    m, se = compare.mean_se([1.0, 2.0, 3.0])
+    assert (m, se) == (2.0, pytest.approx(1 / math.sqrt(3)))
+    assert compare.verdict([5.0], "pts") == ("+5.0 pts (one seed)", "undecided")
+    assert compare.verdict([1.0, 3.5], "pts") == ("+2.2 ± 1.2 pts (2 seeds)", "undecided")
+    assert compare.verdict(None)[1] == "not measured"
+    # the boundary: mean exactly 2 s.e. is not beyond it
+    xs = [1.0, 3.0]  # mean 2, s.e. 1: 2 > 2 * 1 is false; [1.5, 2.5]: s.e. 0.5, 2 > 1 is true
+    assert compare.verdict(xs)[1] == "undecided" and compare.verdict([1.5, 2.5])[1] == "supported"
+
+
+def synthetic(cfg, curve, q, varied=0.5, entropy=0.4, aug=None):
+    summary = {"rollouts": 240.0, "tok_sampled": 1e4, "tok_trained": 1e4, "train_s": 60.0, "wall_s": 90.0,
+               "curve": [(st, 16 * st, 4.0 * st, a) for st, a in curve], "entropy": [(1, entropy)], "machine": "m",
+               "entropy_late": entropy, "varied": varied, "aug_minus_ord": aug, "anneal_end": 8}
+    base = {"greedy": 0.3, "pass@1": 0.3, "pass@2": 0.4, "pass@4": 0.5, "gap": 0.2, "distinct": 1.0,
+            "never_solved": 0.1}
+    return {"q": {**base, **q}, "summary": summary, "eval_s": 10.0}
+
+
+def test_claims_from_synthetic_runs():
+    """Each claim's value is the paired difference it names, seed by seed, and its verdict follows the rule."""
+    cfg = compare.Config(eval_samples=4, steps=9, curve_every=3)
+    grpo_curve = [(0, 0.30), (3, 0.34), (6, 0.38), (9, 0.40)]
+    results = {
+        "grpo": {s: synthetic(cfg, grpo_curve, {"pass@1": 0.30 + 0.01 * s}) for s in range(3)},
+        # XRPO reaches GRPO's final 40% at step 3 on every seed: 6 steps fewer; its varied share +20 points
+        "xrpo": {s: synthetic(cfg, [(0, 0.3), (3, 0.40), (6, 0.41), (9, 0.42)], {"pass@1": 0.27 + 0.01 * s},
+                              varied=0.7) for s in range(3)},
+        # ExTra: +2 distinct answers everywhere, never-solved rate noisy around 0
+        "extra": {s: synthetic(cfg, grpo_curve, {"distinct": 3.0, "never_solved": 0.1 + (-0.05, 0.06, 0.0)[s]})
+                  for s in range(3)},
+        "eapo": {s: synthetic(cfg, grpo_curve, {}, aug=(0.1, 0.12, 0.08)[s]) for s in range(3)},
+    }
+    found = {(paper.split()[0], what): (values, compare.verdict(values)[1])
+             for paper, _, what, _, values in compare.claims(cfg, results)}
+    steps, v = found["XRPO", "steps GRPO needs to reach its final greedy accuracy minus the steps XRPO needs"]
+    assert steps == [6.0, 6.0, 6.0] and v == "supported"
+    values, v = found["XRPO", "share of trained rollouts in groups with reward variance"]
+    assert values == pytest.approx([20.0] * 3) and v == "supported"
+    assert found["XRPO", "held-out pass@1"][1] == "contradicted"  # 3 points below GRPO on every seed
+    assert found["ExTra", "distinct correct answers per problem"] == ([2.0] * 3, "supported")
+    values, v = found["ExTra", "pass@1 on the pool questions the start model never solved"]
+    assert values == pytest.approx([-5.0, 6.0, 0.0]) and v == "undecided"
+    values, v = found["EAPO", "rollout accuracy, augmented − ordinary, first half of the steps (within its own run)"]
+    assert values == pytest.approx([10.0, 12.0, 8.0]) and v == "supported"
+    assert found["ExGRPO", "held-out pass@1"] == (None, "not measured")  # no ExGRPO runs
+    assert ("EAPO", "held-out pass@1 (one annealing length, T = 8 steps)") in found
+    # a seed where XRPO never reaches the target counts as the steps plus one evaluation interval
+    results["xrpo"][0]["summary"]["curve"] = [(st, 0, 0, 0.3) for st in (0, 3, 6, 9)]
+    values = compare.paired(results, "xrpo", compare.steps_saved(cfg))
+    assert values[0] == 9.0 - 12.0
+    rows, tally = compare.claims_table(cfg, results)  # the claims of the algorithms that ran: not ExGRPO's
+    assert sum(tally.values()) == len(rows) - 2 == sum(paper.startswith(("XRPO", "ExTra", "EAPO"))
+                                                       for paper, *_ in compare.claims(cfg, results))
+    assert not any("ExGRPO" in row for row in rows)
+
+
+def test_run_summary_reads_the_mechanism_metrics(tmp_path):
+    cfg = compare.Config(steps=4, runs_dir=str(tmp_path), prompts_per_step=4, group_size=2)
+    run = tmp_path / "cmp-eapo-s0"
+    run.mkdir()
+    (run / "compare.json").write_text(json.dumps({"wall_s": 5.0, "machine": "m"}))
+    rows = [{"step": 0, "eval/greedy_acc": 0.2}]
+    for step in (1, 2, 3, 4):
+        rows.append({"step": step, "perf/step_s": 2.0, "perf/sampled_tokens": 10.0, "perf/train_tok_s": 5.0,
+                     "perf/train_s": 1.0, "policy/entropy": 0.1 * step, "reward/varied_rollouts": 0.25 * step,
+                     "reward/zero_var_groups": 0.0, "eapo/injected_ratio": 0.5 if step < 4 else 0.0,
+                     "eapo/acc_augmented": 0.5, "eapo/acc_ordinary": 0.5 - 0.1 * step})
+    rows.append({"step": 4, "eval/greedy_acc": 0.4})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    s = compare.run_summary(cfg, "eapo", 0)
+    assert s["rollouts"] == 32 and s["tok_sampled"] == 40 and s["train_s"] == 8.0
+    assert s["curve"] == [(0, 0.0, 0.0, 0.2), (4, 32.0, 8.0, 0.4)]
+    assert s["entropy_late"] == pytest.approx((0.3 + 0.4) / 2)
+    assert s["varied"] == pytest.approx(0.625)
+    assert s["aug_minus_ord"] == pytest.approx((0.1 + 0.2) / 2)  # injecting steps in the first half: 1, 2
+
+
+def test_execute_runs_dependencies_first_and_skips_after_a_failure():
+    cfg = compare.Config(jobs=3)
+    log, lock, live, most = [], threading.Lock(), [0], [0]
+
+    def job(name, ok=True):
+        def run():
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+            time.sleep(0.02)
+            with lock:
+                live[0] -= 1
+                log.append(name)
+            return ok
+        return run
+
+    jobs = {("run", "grpo", 0): ([], job("grpo")), ("run", "xrpo", 0): ([], job("xrpo", ok=False)),
+            ("run", "eapo", 0): ([("run", "grpo", 0)], job("eapo")),
+            ("eval", "xrpo", 0): ([("run", "xrpo", 0)], job("eval-xrpo")),
+            ("eval", "eapo", 0): ([("run", "eapo", 0)], job("eval-eapo")),
+            ("eval", None, 0): ([], job("eval-start")), ("eval", None, 1): ([], job("eval-start-1"))}
+    done = compare.execute(cfg, jobs)
+    assert done[("run", "xrpo", 0)] is False and done[("eval", "xrpo", 0)] is False and "eval-xrpo" not in log
+    assert log.index("grpo") < log.index("eapo") < log.index("eval-eapo") and most[0] <= 3
+    assert all(done[k] for k in jobs if "xrpo" not in k)
+
+    def broken():
+        raise RunError("a setting mismatch")
+
+    with pytest.raises(RunError, match="mismatch"):
+        compare.execute(cfg, {("run", "grpo", 0): ([], broken)})
