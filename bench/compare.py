@@ -85,7 +85,7 @@ class Config:
     save_every: int = 3
     # output
     out: str = "bench/COMPARE.md"  # the report; the plot goes beside it with the suffix .png
-    runs_dir: str = "runs"  # where the runs are (and are made)
+    runs_dir: str = "runs"  # where the runs are: made in runs/ of the current folder; another folder for --report-only
     report_only: bool = False  # nothing run or evaluated: the report from the runs and evaluations already there
 
     choices = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"]}
@@ -385,9 +385,10 @@ def execute(cfg: Config, jobs: dict) -> dict:
 # rough cost of a run relative to GRPO's (the default runs side by side on a CPU, docs/benchmarks.md), to start the
 # longest first and to estimate the time left
 COST = {"grpo": 1.0, "exgrpo": 1.3, "xrpo": 1.5, "extra": 1.2, "eapo": 1.6}
-# our measurements: a GRPO step of the default setting takes ~28 s on 2 CPU cores at ~190 GFLOP/s of fp32 matmul;
-# one evaluation ~0.09 s per sampled completion there; on an H100 with every run at once, ~8 s a step
-CPU_STEP_S, CPU_SAMPLE_S, CPU_GFLOPS, GPU_STEP_S, GPU_SAMPLE_S = 28.0, 0.09, 190.0, 8.0, 0.002
+# measured: a GRPO step of the default setting takes ~28 s on 2 CPU cores at ~190 GFLOP/s of fp32 matmul, and a sampled
+# completion ~0.09 s there; on an H200 with 20 processes sharing it (and 16 CPU cores), ~14 s a step and ~0.012 s a
+# completion (docs/comparison.md)
+CPU_STEP_S, CPU_SAMPLE_S, CPU_GFLOPS, GPU_STEP_S, GPU_SAMPLE_S = 28.0, 0.09, 190.0, 14.0, 0.012
 
 
 def estimate(cfg: Config, jobs: dict, seeds: list[int]) -> str:
@@ -401,7 +402,7 @@ def estimate(cfg: Config, jobs: dict, seeds: list[int]) -> str:
     rate = 0.0 if gpu else matmul_gflops()
     scale = 1.0 if gpu else CPU_GFLOPS / max(rate, 1.0)
     step_s, sample_s = (GPU_STEP_S, GPU_SAMPLE_S) if gpu else (CPU_STEP_S * scale, CPU_SAMPLE_S * scale)
-    curve = (cfg.steps // cfg.curve_every + 1) * cfg.curve_size * sample_s / 4  # greedy: ~4x cheaper a completion
+    curve = (cfg.steps // cfg.curve_every + 1) * cfg.curve_size * sample_s  # the runs' own greedy evaluations
     run_s, eval_s = {}, 0.0  # run_s[(algo, seed)]: the seconds left of that run
     for kind, algo, seed in jobs:
         if kind == "run" and not run_finished(cfg, algo, seed):
@@ -409,7 +410,7 @@ def estimate(cfg: Config, jobs: dict, seeds: list[int]) -> str:
             run_s[algo, seed] = COST[algo] * step_s * (cfg.steps - step) + curve
         elif kind == "eval" and cached(cfg, algo, seed) is None:
             held = algo is not None or seed == first_seed(cfg)
-            eval_s += sample_s * (cfg.train_size * cfg.pool_samples + held * cfg.eval_size * (cfg.eval_samples + 0.25))
+            eval_s += sample_s * (cfg.train_size * cfg.pool_samples + held * cfg.eval_size * (cfg.eval_samples + 1))
     n_evals = sum(1 for kind, algo, seed in jobs if kind == "eval" and cached(cfg, algo, seed) is None)
     if gpu:  # all at once: the longest chain of runs (EAPO after its GRPO run), then the evaluations side by side
         chains = [s + (run_s.get(("grpo", seed), 0.0) if algo == "eapo" else 0.0) for (algo, seed), s in run_s.items()]
@@ -675,15 +676,22 @@ def plot(cfg: Config, results: dict, path: Path):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for algo in results:
-        curves = [results[algo][s]["summary"]["curve"] for s in sorted(results[algo])]
-        n = min(len(c) for c in curves)
-        x = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
-        accs = [[100 * c[i][3] for c in curves] for i in range(n)]
+        # per evaluation step, the seeds that have it (a run stopped during its last evaluation lacks that point)
+        points = {}
+        for s in results[algo]:
+            for step, rollouts, _, acc in results[algo][s]["summary"]["curve"]:
+                points.setdefault(step, []).append((rollouts, 100 * acc))
+        steps = sorted(points)
+        x = [statistics.fmean(r for r, _ in points[st]) for st in steps]
+        accs = [[a for _, a in points[st]] for st in steps]
         line, = axes[0].plot(x, [statistics.fmean(a) for a in accs], marker="o", label=algo)
         axes[0].fill_between(x, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.15)
-        ents = [dict(results[algo][s]["summary"]["entropy"]) for s in sorted(results[algo])]
-        steps = sorted(set.intersection(*(set(e) for e in ents)))
-        axes[1].plot(steps, [statistics.fmean(e[st] for e in ents) for st in steps], color=line.get_color(), label=algo)
+        ents = {}
+        for s in results[algo]:
+            for step, e in results[algo][s]["summary"]["entropy"]:
+                ents.setdefault(step, []).append(e)
+        axes[1].plot(sorted(ents), [statistics.fmean(ents[st]) for st in sorted(ents)], color=line.get_color(),
+                     label=algo)
     axes[0].set_xlabel("rollouts sampled")
     axes[0].set_ylabel(f"greedy accuracy, {cfg.curve_size} held-out (%)")
     axes[1].set_xlabel("step")
@@ -775,6 +783,9 @@ def main(argv=None):
         check(getattr(cfg, name) > 0, name, "a positive integer")
     check(cfg.group_size >= 2, "group_size", "at least 2")
     check(cfg.curve_size <= cfg.eval_size, "curve_size", f"at most --eval-size ({cfg.eval_size})")
+    # the algorithm files write runs/<run-name> in the current folder: another --runs-dir can only be read
+    check(cfg.report_only or Path(cfg.runs_dir).resolve() == Path("runs").resolve(), "runs_dir",
+          "runs (the algorithm files write runs/<name> in the current folder); another folder with --report-only")
     present = [a for a in algos if (REPO / f"{a}.py").is_file()]
     for a in algos:
         if a not in present:
