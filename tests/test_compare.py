@@ -114,7 +114,8 @@ def test_missing_file_is_skipped_and_bad_options_refused(workdir, monkeypatch, c
     assert "skip xrpo:" in out and "skip extra:" in out and "not written yet" in out
     assert not (workdir / "runs").exists() and "no algorithm" in (workdir / "t.md").read_text()
     for argv, option in ((["--algos", "grpo,ppo"], "--algos"), (["--seeds", "a,b"], "--seeds"),
-                         (["--eval-size", "10", "--curve-size", "20"], "--curve-size"), (["--jobs", "0"], "--jobs")):
+                         (["--eval-size", "10", "--curve-size", "20"], "--curve-size"), (["--jobs", "0"], "--jobs"),
+                         (["--runs-dir", "elsewhere"], "--runs-dir")):
         with pytest.raises(ConfigError, match=option):
             compare.main(argv)
 
