@@ -149,17 +149,27 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     less noise."""
     import torch
 
-    from bench.compare import Config, evaluate_model
     from common import checkpoint
+    from common.evaluate import evaluate
+    from common.model import Transformer, compute_dtype
+    from common.tasks import load_task
+    from common.tokenizer import Tokenizer
 
     ckpt = checkpoint.find(run / "checkpoint")
     if ckpt is None:
         sys.exit(f"bench/default_run.py: --held-out: {run / 'checkpoint'} holds no checkpoint to evaluate")
     cfg = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)["extra"]["config"]
-    evals = [evaluate_model(Config(model=cfg["model"], task=cfg["task"], eval_size=size, eval_samples=0,
-                                   max_new_tokens=max(cfg.get("eval_max_new_tokens", 0), cfg["max_new_tokens"]),
-                                   device=cfg["device"], dtype=cfg["dtype"]),
-                            model, cfg["seed"])["eval/greedy_acc"] for model in (cfg["model"], ckpt)]
+    device = torch.device("cuda" if cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    dtype = compute_dtype(device, cfg["dtype"])
+    held_out = load_task(cfg["task"], "test", n=size, seed=0)[:size]
+    evals = []
+    for model_dir in (cfg["model"], ckpt):  # as the run evaluates itself: its rollout copy's dtype, greedy
+        model = Transformer.from_pretrained(model_dir, device=device).to(dtype)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            evals.append(evaluate(model, Tokenizer.from_pretrained(model_dir), held_out, seed=cfg["seed"],
+                                  max_new_tokens=max(cfg.get("eval_max_new_tokens", 0), cfg["max_new_tokens"]))
+                         ["eval/greedy_acc"])
     print(f"| greedy accuracy on {size} held-out problems, start -> checkpoint | {evals[0]:.3f} -> {evals[1]:.3f} "
           f"({100 * (evals[1] - evals[0]):+.1f} points) |")
     return evals[0], evals[1]
