@@ -1,9 +1,9 @@
 """The five algorithms compared where their mechanisms have room to act, paired by seed, with a verdict per claim.
 
-    python bench/compare.py                                        # 5 algorithms x 5 seeds x 15 steps (2 CPU cores: ~6 h)
-    python bench/compare.py --device cuda --jobs 25                # one GPU: every run at once (H100: under 9 min)
-    python bench/compare.py --algos grpo,xrpo --seeds 0,1 --steps 5   # a narrower comparison
-    python bench/compare.py --report-only --runs-dir bench/results/compare-h100-2026-11-26   # from committed results
+    python bench/compare.py                                   # 5 algorithms x 5 seeds x 15 steps (2 CPU cores: ~6 h)
+    python bench/compare.py --device cuda --jobs 20 --save-every 15 --eval-samples 16   # one GPU (H200: 10.7 min)
+    python bench/compare.py --algos grpo,xrpo --seeds 0,1 --steps 5                      # a narrower comparison
+    python bench/compare.py --report-only --runs-dir bench/results/compare-h200-2026-11-26 --eval-samples 16
 
 The setting (docs/comparison.md says why): SmolLM2-135M-Instruct on the generated arithmetic task (levels 1-3), whose
 start model solves none of 8 samples of most of its questions within the 48-token budget, trained from a pool of 64
@@ -264,7 +264,8 @@ def evaluate_model(cfg: Config, model_dir, seed: int, held_out: bool) -> dict:
                 chunk = problems[i:i + rows]
                 outs = generate(model, [tok.prompt(format_question(p)) for p in chunk], n=1, temperature=0.0,
                                 max_new_tokens=cfg.max_new_tokens, stop_ids=tok.stop_ids)
-                greedy += [int(score(tok.decode(g[0].tokens, skip_special=True), p.answer)) for g, p in zip(outs, chunk)]
+                greedy += [int(score(tok.decode(g[0].tokens, skip_special=True), p.answer))
+                           for g, p in zip(outs, chunk)]
             out["greedy"] = greedy
             out["correct"], out["distinct"] = sample_counts(model, tok, problems, cfg.eval_samples, cfg, seed,
                                                             max(1, rows // cfg.eval_samples))
@@ -322,7 +323,8 @@ def eval_job(job: dict):
     cfg = Config(**{k: v for k, v in job["config"].items() if k != "choices"})
     algo, seed = job["algo"], job["seed"]
     held_out = algo is not None or seed == first_seed(cfg)
-    model_dir = cfg.model if algo is None else checkpoint.find(Path(cfg.runs_dir) / run_name(cfg, algo, seed) / "checkpoint")
+    run_dir = Path(cfg.runs_dir) / run_name(cfg, algo, seed) if algo else None
+    model_dir = cfg.model if algo is None else checkpoint.find(run_dir / "checkpoint")
     t0 = time.time()
     saved = {"key": eval_key(cfg, seed, 0 if algo is None else cfg.steps, held_out),
              "eval": evaluate_model(cfg, model_dir, seed, held_out), "eval_s": time.time() - t0}
@@ -598,7 +600,8 @@ def claims(cfg: Config, results: dict) -> list[tuple]:
          "steps GRPO needs to reach its final greedy accuracy minus the steps XRPO needs", "steps",
          paired(results, "xrpo", steps_saved(cfg))),
         (xrpo, "allocation spends rollouts where rewards vary (§3.2)",
-         "share of trained rollouts in groups with reward variance", "pts", paired(results, "xrpo", s_diff("varied", 100))),
+         "share of trained rollouts in groups with reward variance", "pts",
+         paired(results, "xrpo", s_diff("varied", 100))),
         (xrpo, "ICL seeding breaks through questions the model cannot solve (§3.3)",
          "pass@1 on the pool questions the start model never solved", "pts",
          paired(results, "xrpo", q_diff("never_solved"))),
@@ -654,7 +657,8 @@ def gains_table(cfg: Config, results: dict, start: dict | None) -> list[str]:
 
 def claims_table(cfg: Config, results: dict) -> tuple[list[str], dict]:
     """The claims of the algorithms that ran, each with our value and its verdict; and how many of each verdict."""
-    rows, tally = ["| paper | its claim | what we measure | ours (mean ± s.e.) | verdict |", "|---|---|---|---|---|"], {}
+    rows = ["| paper | its claim | what we measure | ours (mean ± s.e.) | verdict |", "|---|---|---|---|---|"]
+    tally = {}
     for paper, claim, what, unit, values in claims(cfg, results):
         if PAPER_ALGO[paper] not in results:
             continue

@@ -45,7 +45,8 @@ def main(argv=None):
     check(cfg.questions > 0 and cfg.samples > 0, "questions/samples", "positive integers")
     model = Transformer.from_pretrained(cfg.model, device="cpu").to(torch.float32).eval()
     tok = Tokenizer.from_pretrained(cfg.model)
-    print(f"| level | never solved | pass@1 | pass@{cfg.samples} | always solved | seconds |\n|---|---|---|---|---|---|")
+    print(f"| level | never solved | pass@1 | pass@{cfg.samples} | always solved | seconds |")
+    print("|---|---|---|---|---|---|")
     for level in levels:
         t0 = time.time()
         problems = load_task(f"arith:{level}", "train", n=cfg.questions, seed=cfg.seed)
