@@ -74,7 +74,7 @@ class Config:
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
     # our choice: few problems, so that 16 x 15 draws visit each 5 times (novelty needs a prompt's earlier answers)
-    train_size: int = 48  # problems generated for arith (ignored for data files)
+    train_size: int = 48  # arith problems (not data files); 48: 16 x 15 draws see each ~5 times, for its memories
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16

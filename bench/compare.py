@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import checkpoint  # noqa: E402
+from common import checkpoint, dist  # noqa: E402
 from common.config import RunError, check, main_guard, parse  # noqa: E402
 
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
@@ -245,8 +245,7 @@ def evaluate_model(cfg: Config, model_dir, seed: int, held_out: bool) -> dict:
     from common.tokenizer import Tokenizer
     from common.verifier import score
 
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(dist.resolve_device(cfg.device))
     dtype = compute_dtype(device, cfg.dtype)
     tok = Tokenizer.from_pretrained(model_dir)
     model = Transformer.from_pretrained(model_dir, device=device).to(dtype).eval()  # as the runs' rollout copy
@@ -320,7 +319,7 @@ def ensure_eval(cfg: Config, algo: str | None, seed: int) -> bool:
 
 def eval_job(job: dict):
     """The body of one evaluation process (see ensure_eval): evaluate and write the cache atomically."""
-    cfg = Config(**{k: v for k, v in job["config"].items() if k != "choices"})
+    cfg = Config(**job["config"])
     algo, seed = job["algo"], job["seed"]
     held_out = algo is not None or seed == first_seed(cfg)
     run_dir = Path(cfg.runs_dir) / run_name(cfg, algo, seed) if algo else None
@@ -393,14 +392,12 @@ COST = {"grpo": 1.0, "exgrpo": 1.3, "xrpo": 1.5, "extra": 1.2, "eapo": 1.6}
 CPU_STEP_S, CPU_SAMPLE_S, CPU_GFLOPS, GPU_STEP_S, GPU_SAMPLE_S = 28.0, 0.09, 190.0, 14.0, 0.012
 
 
-def estimate(cfg: Config, jobs: dict, seeds: list[int]) -> str:
+def estimate(cfg: Config, jobs: dict) -> str:
     """The time the jobs left will take, from the measured rates above (on a CPU scaled by this machine's matmul
     rate now)."""
-    import torch
-
     from bench.default_run import matmul_gflops
 
-    gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    gpu = dist.resolve_device(cfg.device) == "cuda"
     rate = 0.0 if gpu else matmul_gflops()
     scale = 1.0 if gpu else CPU_GFLOPS / max(rate, 1.0)
     step_s, sample_s = (GPU_STEP_S, GPU_SAMPLE_S) if gpu else (CPU_STEP_S * scale, CPU_SAMPLE_S * scale)
@@ -489,15 +486,13 @@ def collect(cfg: Config, present: list[str], seeds: list[int]):
     start = the start model's quantities on the held-out problems; pools[seed] = its never-solved share."""
     results, pools = {}, {}
     start_eval = cached(cfg, None, first_seed(cfg))
-    start = None
+    start = quantities(cfg, start_eval["eval"], start_eval["eval"]["pool_correct"]) if start_eval else None
     for seed in seeds:
         start_seed = cached(cfg, None, seed)
         if start_seed is None:
             continue
         pool = start_seed["eval"]["pool_correct"]
         pools[seed] = sum(c == 0 for c in pool) / len(pool)
-        if start is None and start_eval is not None:
-            start = quantities(cfg, start_eval["eval"], start_eval["eval"]["pool_correct"])
         for algo in present:
             run_dir = Path(cfg.runs_dir) / run_name(cfg, algo, seed)
             final = cached(cfg, algo, seed)
@@ -582,12 +577,12 @@ def claims(cfg: Config, results: dict) -> list[tuple]:
     """(paper, its claim, what we measure, unit, per-seed values) for every claim; values are paired differences
     to GRPO's run of the same seed, except EAPO's augmented-vs-ordinary, which is within its own run."""
     top = f"pass@{ks(cfg.eval_samples)[-1]}"
-    exgrpo, xrpo, extra, eapo = PAPER_ALGO
+    exgrpo, xrpo, extra, eapo = list(PAPER_ALGO)  # the papers' names, in ALGOS order
     ends = {r["summary"]["anneal_end"] for r in results.get("eapo", {}).values()}
     eapo_T = (f"one annealing length, T = {ends.pop()} steps" if len(ends) == 1 and None not in ends
               else f"annealing not finished within {cfg.steps} steps")
-    eapo_own = (lambda: [r["summary"]["aug_minus_ord"] * 100 for r in results["eapo"].values()
-                         if r["summary"]["aug_minus_ord"] is not None] or None) if "eapo" in results else (lambda: None)
+    eapo_own = [100 * r["summary"]["aug_minus_ord"] for r in results.get("eapo", {}).values()
+                if r["summary"]["aug_minus_ord"] is not None] or None  # within EAPO's own runs
     return [
         (exgrpo, "above on-policy RLVR: +3.5 pts in-distribution average (Qwen2.5-Math-7B, Table 1)",
          "held-out pass@1", "pts", paired(results, "exgrpo", q_diff("pass@1"))),
@@ -621,7 +616,7 @@ def claims(cfg: Config, results: dict) -> list[tuple]:
         (eapo, "above the same-recipe on-policy run for every annealing length T (Qwen2.5-Math-7B, Qwen3-8B; no "
          "numbers public)", f"held-out pass@1 ({eapo_T})", "pts", paired(results, "eapo", q_diff("pass@1"))),
         (eapo, "augmented responses are more accurate than ordinary ones early in training",
-         "rollout accuracy, augmented − ordinary, first half of the steps (within its own run)", "pts", eapo_own()),
+         "rollout accuracy, augmented − ordinary, first half of the steps (within its own run)", "pts", eapo_own),
     ]
 
 
@@ -798,7 +793,7 @@ def main(argv=None):
     t0, failed = time.time(), []
     if not cfg.report_only and present:
         jobs = plan(cfg, present, seeds)
-        print(estimate(cfg, jobs, seeds), flush=True)
+        print(estimate(cfg, jobs), flush=True)
         try:
             done = execute(cfg, jobs)
         except KeyboardInterrupt:

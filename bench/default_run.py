@@ -149,7 +149,7 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     less noise."""
     import torch
 
-    from common import checkpoint
+    from common import checkpoint, dist
     from common.evaluate import evaluate
     from common.model import Transformer, compute_dtype
     from common.tasks import load_task
@@ -159,8 +159,7 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     if ckpt is None:
         sys.exit(f"bench/default_run.py: --held-out: {run / 'checkpoint'} holds no checkpoint to evaluate")
     cfg = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)["extra"]["config"]
-    device = torch.device("cuda" if cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(dist.resolve_device(cfg["device"]))
     dtype = compute_dtype(device, cfg["dtype"])
     held_out = load_task(cfg["task"], "test", n=size, seed=0)[:size]
     evals = []

@@ -31,10 +31,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def resolve_device(device: str = "auto") -> str:
+    """auto -> cuda when a GPU is there, else cpu; cpu and cuda as they are."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def setup(device: str = "auto") -> torch.device:
     """Join the process group when started by torchrun; return this rank's device."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if "RANK" in os.environ and not is_distributed():
         td.init_process_group("nccl" if device == "cuda" else "gloo")
     if device == "cuda":

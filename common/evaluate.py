@@ -83,7 +83,7 @@ def main():
           "non-negative numbers, batch and sample_batch > 0")
     problems = load_task(cfg.data, cfg.split, n=cfg.limit or None, seed=cfg.seed)
     problems = problems[: cfg.limit] if cfg.limit else problems
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device = dist.resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype)
     tok = Tokenizer.from_pretrained(cfg.model)
