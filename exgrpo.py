@@ -115,6 +115,9 @@ class Config:
     # (Table 6 "highest-entropy trajectory" and "w/o trajectory selection")
     trajectory_choice: str = "lowest-entropy"
     trajectory_score: str = "mean"  # the entropy of a trajectory: the mean (or sum) of its token entropies at T = 1
+    # our choice (the paper never prunes): each draw scores every stored trajectory of the question under the current
+    # policy, and a 64-question pool seen ~4 times stores ~8 a question, so that pass cost a step 5-10 s on a CPU
+    max_stored: int = 4  # trajectories kept per question, the most recent (0 = all, the paper's)
     # replayed tokens: -A f(w); off: the fresh tokens' ratio objective, unclipped once replay has started as the
     # authors' `no_reshape` is (Table 6 "w/o policy shaping")
     policy_shaping: bool = True
@@ -179,6 +182,7 @@ def validate(cfg: Config):
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
     check(0 <= cfg.replay_ratio <= 1, "replay_ratio", "a share of the batch in [0, 1]")
+    check(cfg.max_stored >= 0, "max_stored", "a number of trajectories per question, 0 for all")
     check(cfg.bucket_sigma > 0, "bucket_sigma", "a positive number")
     check(cfg.shaping_beta > 0, "shaping_beta", "a positive number")
     # retired (all-correct) and all-wrong groups are part of the buffer's bookkeeping: every group must be seen
@@ -269,8 +273,8 @@ class Experience:
     solved). Trajectories are token ids with the trainer's log-probs at collection time, the denominator of the
     replayed tokens' importance ratio."""
 
-    def __init__(self, group_size: int):
-        self.K = group_size
+    def __init__(self, group_size: int, max_stored: int = 0):
+        self.K, self.max_stored = group_size, max_stored  # max_stored: the most recent kept per question (0: all)
         self.pool: dict[int, list[Trajectory]] = {}  # E
         self.bucket: dict[int, int] = {}  # question id -> k of its latest collected group
         self.retired: set[int] = set()  # S
@@ -280,7 +284,11 @@ class Experience:
         rows whose collection-time log-probs the step must score."""
         k = sum(bool(c) for c in correct)
         seen = {t.tokens for t in self.pool.get(qid, [])}
-        return [collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen for ok, t in zip(correct, completions)]
+        new = [collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen for ok, t in zip(correct, completions)]
+        if self.max_stored and sum(new) > self.max_stored:  # only the last max_stored new ones would be kept
+            last = [i for i, s in enumerate(new) if s][-self.max_stored:]
+            new = [i in last for i in range(len(new))]
+        return new
 
     def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool):
         """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
@@ -303,6 +311,8 @@ class Experience:
                 # give the same tokens back, and then the stored log-probs would not line up)
                 stored.append(Trajectory(tokens, logp.detach().float().cpu().clone()))
                 seen.add(tokens)
+        if self.max_stored:
+            del stored[:-self.max_stored]
 
     def purge(self):
         """After each step, retired questions leave the buffer and the buckets (Alg. 1 l.32)."""
@@ -788,7 +798,7 @@ def main(argv=None):
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0
     # ExGRPO's state: this rank's questions, their buffer, and whether replay has begun. our choice: a rank owns the
     # questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
-    exp, stream = Experience(G), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
+    exp, stream = Experience(G, cfg.max_stored), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
     mixed = cfg.start_acc < 0  # our choice: a negative threshold mixes from step 1 (the paper's Llama-3.1-8B base run)
     if state is not None:
         mine = saved[dist.rank()]

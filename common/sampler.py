@@ -106,16 +106,45 @@ def prefill(model, ids, mask, cache, shared=0):
     """ids, mask [U, W]: prompts into cache columns 0..W-1, their first `shared` columns the same tokens in every
     row (the chat template's system turn, ...), then each prompt's rest, left-padded. The shared columns go
     through the model once, for one row, and are copied to the others: with a chat template they are often half
-    of each prompt. Only the cache is wanted: asking for hidden states skips the LM head ([U, W, vocab])."""
+    of each prompt. Prompts of very different lengths (XRPO's in-context prompts beside plain ones) go through in
+    groups of similar length, each at its own width: the short ones are not padded to the longest. Only the cache
+    is wanted: asking for hidden states skips the LM head ([U, W, vocab])."""
     if shared and ids.shape[0] > 1:
         one = model.new_cache(1, shared)
         model(ids[:1, :shared], cache=one, return_hidden=True)
         cache.k[:, :, :, :shared], cache.v[:, :, :, :shared] = one.k, one.v
     else:
         shared = 0
-    if ids.shape[1] > shared:
+    W = ids.shape[1]
+    if W == shared:
+        return
+    groups = _length_groups(mask[:, shared:].sum(1).tolist())
+    if len(groups) == 1:
         model(ids[:, shared:], attention_mask=None if mask.all() else mask, cache=cache, start=shared,
               return_hidden=True)
+        return
+    for rows, width in groups:  # each group's columns W - width.. hold all of its tokens (left padding)
+        cols = torch.cat((torch.arange(shared), torch.arange(W - width, W))).to(ids.device)
+        part = model.new_cache(len(rows), shared + width)
+        part.k[:, :, :, :shared], part.v[:, :, :, :shared] = cache.k[:, rows, :, :shared], cache.v[:, rows, :, :shared]
+        m = mask[rows][:, cols]
+        model(ids[rows, W - width:], attention_mask=None if m.all() else m, cache=part, start=shared,
+              return_hidden=True)
+        cache.k[:, rows, :, W - width:W], cache.v[:, rows, :, W - width:W] = part.k[:, :, :, shared:], part.v[:, :, :, shared:]
+
+
+def _length_groups(lengths: list, slack: float = 0.5) -> list:
+    """Rows by length, longest first, in groups [(rows, width)] whose every row is at least `slack` of the group's
+    width: no row is padded to more than twice its length. Rows of similar lengths make one group (the arithmetic
+    task's prompts, 0.51-1.0 of the longest after their shared start: one group, one forward, as before)."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    groups = []
+    for r in order:
+        if groups and lengths[r] >= slack * groups[-1][1]:
+            groups[-1][0].append(r)
+        else:
+            groups.append(([r], lengths[r]))
+    return [(sorted(rows), w) for rows, w in groups if w > 0] or [(list(range(len(lengths))), 0)]
 
 
 def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False, keys=None, reuse=None):

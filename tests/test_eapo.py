@@ -481,6 +481,28 @@ def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
     assert state["extra"]["eapo"]["tau"] == 0.0
 
 
+def test_prior_is_held_only_while_it_samples_on_a_cpu(in_tmp, models, monkeypatch):
+    """On a CPU π_RL's weights are loaded for each step's sampling and gone (no reference left) when the update runs,
+    so the update's peak memory is grpo.py's. Fails if the step keeps the companion (and so π_RL) alive, or if π_RL
+    stays loaded for the whole run."""
+    import gc
+    import weakref
+
+    held, alive_at_update = [], []
+    real_hold, real_update = eapo.PriorWeights.hold, eapo.update
+    monkeypatch.setattr(eapo.PriorWeights, "hold", lambda self: held.append(weakref.ref(m := real_hold(self))) or m)
+
+    def update(*a, **kw):
+        gc.collect()
+        alive_at_update.append(sum(r() is not None for r in held))
+        return real_update(*a, **kw)
+
+    monkeypatch.setattr(eapo, "update", update)
+    eapo.main(run_args(models, "--steps", "2", "--run-name", "h", "--prior", str(models[1]), "--tau", "0",
+                       "--anneal-steps", "2"))
+    assert len(held) == 2 and alive_at_update == [0, 0]
+
+
 # A run cut at step 2 by a crash had taken the whole run's rates; asked for 2 steps, it would decay its own last steps
 # (--decay-steps): it runs without the decay, which in the 4-step run is still under the warm-up at steps 1 and 2.
 AS_IF_CUT = ["--decay-steps", "0"]

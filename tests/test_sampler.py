@@ -448,3 +448,28 @@ def test_entropy_at_a_second_temperature(tiny, at):
             _, ent, _ = full_forward(model, p, s, at)
             torch.testing.assert_close(s.extras["entropy_at"], ent, atol=1e-4, rtol=1e-4)
     assert "entropy_at" not in plain[0][0].extras
+
+
+def test_length_groups_bound_the_padding():
+    """Rows of similar length share a group; a group pads no row below half its width."""
+    assert sampler._length_groups([60, 64, 33]) == [([0, 1, 2], 64)]
+    assert sampler._length_groups([60, 64, 31]) == [([0, 1], 64), ([2], 31)]
+    assert sampler._length_groups([70, 260, 64, 200, 0]) == [([1, 3], 260), ([0, 2], 70)]
+    assert sampler._length_groups([0, 0]) == [([0, 1], 0)]
+
+
+def test_prompts_of_very_different_lengths_are_not_padded_to_the_longest(tiny, monkeypatch):
+    """A long prompt beside short ones (XRPO's in-context prompts): the short ones go through the prefill at their
+    own width, not the long one's, and every sample still decodes and scores as alone."""
+    model, _ = tiny["qwen3"]
+    head = rand_prompts([5], seed=11)[0]
+    prompts = [head + rest for rest in rand_prompts([40, 5, 6, 36], seed=12)]
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: widths.append(tuple(args[0].shape)), with_kwargs=True)
+    groups = generate(model, prompts, n=2, max_new_tokens=8, temperature=0.9, stop_ids=(), seed=5)
+    hook.remove()
+    prefill_calls = [w for w in widths if w[1] > 2]  # the decode steps feed one token, the extend stage two
+    assert sorted(prefill_calls) == [(1, 5), (2, 5), (2, 39)], widths  # shared start; the short pair; the long pair
+    check_scores(model, prompts, groups, 0.9)
+    for p, g in zip(prompts, generate(model, prompts, max_new_tokens=8, temperature=0, stop_ids=())):
+        assert g[0].tokens == generate(model, [p], max_new_tokens=8, temperature=0, stop_ids=())[0][0].tokens
