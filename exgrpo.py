@@ -280,20 +280,24 @@ class Experience:
         self.retired: set[int] = set()  # S
 
     def to_store(self, qid: int, correct: list, completions: list, collect: bool) -> list[bool]:
-        """Which of a group's completions record() may store (correct, not stored yet, 0 < k < K, collecting): the
-        rows whose collection-time log-probs the step must score."""
+        """Which of a group's completions record() stores: correct, not stored yet (nor earlier in the group), the
+        question partly solved (0 < k < K), collecting; with max_stored, only the last max_stored of them. These are
+        the rows whose collection-time log-probs the step must score."""
         k = sum(bool(c) for c in correct)
-        seen = {t.tokens for t in self.pool.get(qid, [])}
-        new = [collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen for ok, t in zip(correct, completions)]
-        if self.max_stored and sum(new) > self.max_stored:  # only the last max_stored new ones would be kept
+        seen, new = {t.tokens for t in self.pool.get(qid, [])}, []
+        for ok, t in zip(correct, completions):
+            new.append(collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen)
+            seen.add(tuple(t))
+        if self.max_stored and sum(new) > self.max_stored:  # the older ones would be dropped at once
             last = [i for i, s in enumerate(new) if s][-self.max_stored:]
             new = [i in last for i in range(len(new))]
         return new
 
     def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool):
         """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
-        (once the delayed start has fired), 0 < k < K stores each correct completion not stored yet and labels the
-        question k. All-wrong groups store nothing, keep their old label and are not retired."""
+        (once the delayed start has fired), 0 < k < K stores each correct completion not stored yet (to_store) and
+        labels the question k; with max_stored, the question keeps its most recent ones. All-wrong groups store
+        nothing, keep their old label and are not retired."""
         k = sum(bool(c) for c in correct)
         if k == self.K:
             self.retired.add(qid)
@@ -302,15 +306,12 @@ class Experience:
             return
         self.bucket[qid] = k
         stored = self.pool.setdefault(qid, [])
-        seen = {t.tokens for t in stored}
-        for ok, tokens, logp in zip(correct, completions, logps):
-            tokens = tuple(tokens)
-            if ok and tokens not in seen:  # de-duplicated by exact content
-                assert len(logp) == len(tokens), "one collection-time log-prob per token"
+        for new, tokens, logp in zip(self.to_store(qid, correct, completions, collect), completions, logps):
+            if new:  # de-duplicated by exact content
+                assert len(logp) == len(tokens) and torch.isfinite(logp).all(), "a scored log-prob for every token"
                 # our choice: token ids, not decoded text as the authors' code keeps (re-tokenising text need not
                 # give the same tokens back, and then the stored log-probs would not line up)
-                stored.append(Trajectory(tokens, logp.detach().float().cpu().clone()))
-                seen.add(tokens)
+                stored.append(Trajectory(tuple(tokens), logp.detach().float().cpu().clone()))
         if self.max_stored:
             del stored[:-self.max_stored]
 

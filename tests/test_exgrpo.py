@@ -688,15 +688,16 @@ def test_bad_options_are_one_line_errors(in_tmp, bad, capsys):
 
 def test_max_stored_keeps_the_most_recent_and_scores_only_those():
     """--max-stored 2: a question keeps its two latest distinct trajectories; to_store marks (for the scoring pass)
-    only the new ones that will be kept, so no stored trajectory lacks its collection-time log-probs. Catches a cap that
-    keeps the oldest, or one that scores rows it then drops (or drops rows it scored)."""
+    only the new ones that will be kept, so no stored trajectory lacks its collection-time log-probs, also when a
+    completion repeats an earlier one of its group (the unscored first row once came back as NaN log-probs and its
+    replays made the loss NaN). Catches a cap that keeps the oldest, or one that scores rows it then drops."""
     exp = Experience(K, max_stored=2)
     exp.record(0, [True, True, False] + [False] * (K - 3), [[0, i] for i in range(K)], [torch.zeros(2)] * K,
                collect=True)
     assert [t.tokens for t in exp.pool[0]] == [(0, 0), (0, 1)]
-    correct, comps = [True, True, True] + [False] * (K - 3), [[1, i] for i in range(K)]
+    correct, comps = [True, True, True, True] + [False] * (K - 4), [[1, 0], [1, 1], [1, 2], [1, 2]] + [[1, 9]] * (K - 4)
     marks = exp.to_store(0, correct, comps, collect=True)
-    assert marks == [False, True, True] + [False] * (K - 3)
+    assert marks == [False, True, True, False] + [False] * (K - 4)  # the 4th repeats the 3rd: stored once
     logps = [torch.full((2,), -1.0) if m else torch.full((2,), float("nan")) for m in marks]
     exp.record(0, correct, comps, logps, collect=True)
     assert [t.tokens for t in exp.pool[0]] == [(1, 1), (1, 2)]
@@ -704,4 +705,4 @@ def test_max_stored_keeps_the_most_recent_and_scores_only_those():
     unbounded = Experience(K)
     for step in range(3):
         unbounded.record(0, correct, [[step, i] for i in range(K)], [torch.zeros(2)] * K, collect=True)
-    assert len(unbounded.pool[0]) == 9  # 0 (the paper's): every distinct correct one
+    assert len(unbounded.pool[0]) == 12  # 0 (the paper's): every distinct correct one
