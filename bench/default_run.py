@@ -218,9 +218,13 @@ def finished_run(algo: str, seed: int) -> Path | None:
 
 def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple:
     """One `python <algo>.py` in a child that reports its own child's peak RSS (so runs do not mix). Returns the
-    run folder, wall seconds, peak RSS in GB, and this machine's matmul rate before and after (None with log=True)."""
+    run folder, wall seconds, peak RSS in GB, and this machine's matmul rate before and after (None with log=True);
+    None if the run failed (said on stderr; the other runs go on, and their table is still printed)."""
     if algo == "eapo" and "--prior" not in rest:  # EAPO's first command: the prior is a grpo.py run
-        prior = finished_run("grpo", seed) or run_once("grpo", seed, rest, log)[0]
+        prior = finished_run("grpo", seed) or (run_once("grpo", seed, rest, log) or [None])[0]
+        if prior is None:
+            print(f"bench/default_run.py: eapo.py seed {seed} not run: its prior, a grpo.py run, failed", file=sys.stderr)
+            return None
         rest = [*rest, "--prior", str(prior / "checkpoint")]
     name = time.strftime(f"bench-{algo}-s{seed}-%Y%m%d-%H%M%S")
     cmd = [sys.executable, str(REPO / f"{algo}.py"), "--run-name", name, "--seed", str(seed), *rest]
@@ -242,7 +246,8 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple:
             out.close()
     wall = time.time() - t0
     if r.returncode:
-        sys.exit(f"bench/default_run.py: {' '.join(cmd[1:])} failed with exit code {r.returncode}")
+        print(f"bench/default_run.py: {' '.join(cmd[1:])} failed with exit code {r.returncode}", file=sys.stderr)
+        return None
     kb = [float(line.split()[1]) for line in lines if line.startswith("PEAK_RSS_KB")]
     return Path("runs") / name, wall, (kb[-1] / 2 ** 20 if kb else None), (rate and (rate, matmul_gflops()))
 
@@ -288,9 +293,14 @@ def main():
     for wave in waves:
         with ThreadPoolExecutor(args.jobs) as pool:
             done += list(pool.map(lambda job: (job, run_once(*job, rest, log=args.jobs > 1)), wave))
+    # a failed run loses only its own row: the finished runs' table is printed, then the exit says which failed
     results = [(algo, seed, summarise(path, wall, rss, args.predict_gflops, gflops))
-               for (algo, seed), (path, wall, rss, gflops) in done]
-    overview([(algo, seed, r) for algo, seed, r in results])
+               for (algo, seed), (path, wall, rss, gflops) in ((job, r) for job, r in done if r is not None)]
+    if results:
+        overview([(algo, seed, r) for algo, seed, r in results])
+    failed = [f"{algo}.py seed {seed}" for (algo, seed), r in done if r is None]
+    if failed:
+        sys.exit(f"bench/default_run.py: {len(failed)} run(s) failed: {', '.join(failed)} (their errors above)")
 
 
 if __name__ == "__main__":

@@ -64,3 +64,15 @@ def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
     grpo_rows = [r for r in rows if r.startswith("| grpo | 1 |") or r.startswith("| grpo | 0 |")]
     assert len(grpo_rows) == 2 and all(" | 1.00 | " in r for r in grpo_rows), rows
     assert "CPU flags:" in out and "| wall / grpo, mean |" in out
+
+
+def test_a_failed_run_keeps_the_others_table(tmp_path, tiny_model_dir):
+    """One run failing (xrpo.py refuses --group-size 2 below its 4 base rollouts) does not lose the finished runs'
+    table: grpo.py's row is printed, the exit is non-zero and its last line names the failed run. Fails on the old
+    behaviour, where the first failure exited before any table."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), "--algo", "grpo,xrpo", "--seeds", "0",
+                        "--", "--model", str(tiny_model_dir), *TINY], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0
+    assert "| grpo | 0 | " in r.stdout and "| xrpo | 0 | " not in r.stdout, r.stdout[-2000:]
+    assert r.stderr.strip().splitlines()[-1].endswith("1 run(s) failed: xrpo.py seed 0 (their errors above)")
