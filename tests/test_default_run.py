@@ -76,3 +76,23 @@ def test_a_failed_run_keeps_the_others_table(tmp_path, tiny_model_dir):
     assert r.returncode != 0
     assert "| grpo | 0 | " in r.stdout and "| xrpo | 0 | " not in r.stdout, r.stdout[-2000:]
     assert r.stderr.strip().splitlines()[-1].endswith("1 run(s) failed: xrpo.py seed 0 (their errors above)")
+
+
+def test_phase_memory_reports_each_phase(tmp_path, tiny_model_dir):
+    """bench/phase_memory.py: RSS before and after every sampling call, update and evaluation of a 1-step run, the
+    peak never below the current RSS; an unknown algorithm is a one-line error."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "grpo", "--", "--model",
+                        str(tiny_model_dir), *TINY], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("before ", "after "))]
+    assert [line.split(":")[0] for line in lines] == ["before evaluate", "after evaluate", "before generate",
+                                                      "after generate", "before update", "after update",
+                                                      "before evaluate", "after evaluate"], lines
+    for line in lines:
+        v = line.split(": ")[1].split()
+        values = dict(zip(v[::2], map(float, v[1::2])))
+        assert 0 < values["VmRSS"] <= values["VmHWM"] and values["RssAnon"] > 0, line
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "ppo"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "algorithm" in bad.stderr

@@ -1,0 +1,51 @@
+"""Resident memory at the phase boundaries of an algorithm file's run: where a step's peak comes from.
+
+    python bench/phase_memory.py eapo -- --prior runs/prior/checkpoint --steps 3 --eval-size 20 --dtype float32
+    python bench/phase_memory.py grpo -- --steps 2 --dtype float32
+
+Runs `<algo>.py` in this process with its `generate`, `update` and `evaluate` wrapped, and prints before and after
+each call this process's current RSS, its peak so far (VmHWM) and the anonymous / file-backed parts (Linux: read from
+/proc/self/status; GB of 10^9 bytes). A jump of the peak inside a call is that phase's.
+"""
+import importlib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
+FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+
+
+def memory() -> str:
+    """'VmRSS 2.43 VmHWM 3.40 RssAnon 2.25 RssFile 0.18' (GB of 10^9 bytes) from /proc/self/status."""
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name = line.split(":")[0]
+        if name in FIELDS:
+            values[name] = int(line.split()[1]) * 1024 / 1e9  # kB of 1024 bytes
+    return " ".join(f"{k} {values[k]:.2f}" for k in FIELDS if k in values)
+
+
+def wrapped(name, fn):
+    def call(*args, **kwargs):
+        print(f"before {name}: {memory()}", flush=True)
+        out = fn(*args, **kwargs)
+        print(f"after {name}: {memory()}", flush=True)
+        return out
+    return call
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] not in ALGOS or not Path("/proc/self/status").is_file():
+        sys.exit(f"bench/phase_memory.py: expected an algorithm among {', '.join(ALGOS)} (and Linux's /proc), "
+                 f"then -- and its options")
+    module = importlib.import_module(sys.argv[1])
+    for name in ("generate", "update", "evaluate"):
+        if hasattr(module, name):
+            setattr(module, name, wrapped(name, getattr(module, name)))
+    module.main([a for a in sys.argv[2:] if a != "--"])
+
+
+if __name__ == "__main__":
+    main()
