@@ -144,7 +144,7 @@ def _length_groups(lengths: list, slack: float = 0.5) -> list:
             groups[-1][0].append(r)
         else:
             groups.append(([r], lengths[r]))
-    return [(sorted(rows), w) for rows, w in groups if w > 0] or [(list(range(len(lengths))), 0)]
+    return [(sorted(rows), w) for rows, w in groups if w > 0]  # a row with no tokens of its own has nothing to prefill
 
 
 def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False, keys=None, reuse=None):

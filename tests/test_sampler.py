@@ -455,7 +455,6 @@ def test_length_groups_bound_the_padding():
     assert sampler._length_groups([60, 64, 33]) == [([0, 1, 2], 64)]
     assert sampler._length_groups([60, 64, 31]) == [([0, 1], 64), ([2], 31)]
     assert sampler._length_groups([70, 260, 64, 200, 0]) == [([1, 3], 260), ([0, 2], 70)]
-    assert sampler._length_groups([0, 0]) == [([0, 1], 0)]
 
 
 def test_prompts_of_very_different_lengths_are_not_padded_to_the_longest(tiny, monkeypatch):
