@@ -709,8 +709,8 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     # our choice (the paper's split is not public): G_e = G / 4, at least 1. π_RL decodes alongside every augmented
-    # completion, so G_e sets EAPO's extra sampling work (eapo/prior_tokens): a quarter keeps a step within 1.2x
-    # of grpo.py's on a CPU, a half would not; the other completions are every group's on-policy anchor
+    # completion, so G_e sets EAPO's extra sampling work (eapo/prior_tokens): a quarter of the policy's rows for the
+    # first T steps (a half would double it); the other completions are every group's on-policy anchor
     G_e = max(1, G // 4) if cfg.augmented < 0 else cfg.augmented
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))

@@ -19,13 +19,15 @@
     python xrpo.py --icl-init 64                     # the corpus seeded from the base model's answers (Alg. 1's C_init)
     python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all off: python grpo.py, bit for bit
     torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --prompts-per-step 16 \
-        --group-size 8 --base-rollouts 4 --rounds 2 --icl-max-len 8192 --kl-coef 0.001 --max-new-tokens 16384 \
-        --temperature 1.0 --lr 2e-6 --decay-steps 0 ...   # the paper's setting (§4.1); see README
+        --group-size 8 --base-rollouts 4 --rounds 2 --icl-shots 2 --icl-max-len 8192 --kl-coef 0.001 \
+        --max-new-tokens 16384 --temperature 1.0 --lr 2e-6 --decay-steps 0 ...   # the paper's setting (§4.1)
 
 A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at equal
-sampling cost. The loss is grpo.py's (token-mean, clip 0.2/0.28); the paper adds a KL at β = 0.001 (§4.1), off here
-as in grpo.py (--kl-coef 0.001 adds it: a reference model and its forward); --seq-ratio gives XRPO on GSPO. Problem
-statements are embedded by the policy's own initial weights (pooled final hidden states) instead of the paper's
+sampling cost. The CPU defaults plan one round and show one exemplar where the paper uses two of each: each round
+is another sampling call and each exemplar 60-90 more prompt tokens (the comments at --rounds and --icl-shots).
+The loss is grpo.py's (token-mean, clip 0.2/0.28); the paper adds a KL at β = 0.001 (§4.1), off here as in grpo.py
+(--kl-coef 0.001 adds it: a reference model and its forward); --seq-ratio gives XRPO on GSPO. Problem statements
+are embedded by the policy's own initial weights (pooled final hidden states) instead of the paper's
 separate Qwen3-Embedding-8B, once before the first update: no second model. Evaluation never uses ICL (§4.1).
 
 Left out on purpose: a format reward (off by default, --format-reward adds it), length penalties,
@@ -86,7 +88,9 @@ class Config:
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # hierarchical rollout planning (XRPO §3.2): a step samples B×G rollouts in all, as grpo.py does; G is the mean
     base_rollouts: int = 4  # n_base: rollouts every prompt gets first (§4.1: 4; >= 3 advised, >= 2 required)
-    rounds: int = 2  # N_plan: rounds that split the other B×(G - n_base) rollouts (§4.1: 2)
+    # N_plan: rounds that split the other B×(G - n_base) rollouts (§4.1: 2). 1 here: each round is one more sampling
+    # call, and on a CPU a call of 32 rows costs over half of one of 128 (docs/xrpo.md); --rounds 2 is the paper's
+    rounds: int = 1
     # proportional: T·Π/ΣΠ, largest remainder; greedy: one unit at a time to the highest Π (eq. 3); uniform: T/B each,
     # the "w/o HRP" ablation (Table 5), which keeps the rounds, so ICL still seeds and AS still sharpens
     alloc: str = "proportional"
@@ -94,7 +98,9 @@ class Config:
     alloc_conf: float = 0.95  # confidence level of the t-interval behind Δ (our reading of Table 4b's "α" column)
     # ICL seeding (XRPO §3.2, App. C); --no-icl is the "w/o ICL" ablation (Table 5)
     icl: bool = True  # sample a prompt with no correct rollout yet from an in-context prompt of solved neighbours
-    icl_shots: int = 2  # K: verified solutions of similar other problems shown (§4.1: 2)
+    # K: verified solutions of similar other problems shown (§4.1: 2). 1 here: each exemplar adds 60-90 tokens to an
+    # in-context prompt's prefill and training forward (docs/xrpo.md); --icl-shots 2 is the paper's
+    icl_shots: int = 1
     # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192, its prompt window). With answers of
     # at most 48 tokens two arithmetic exemplars make at most ~230 tokens, so it binds only on longer tasks
     icl_max_len: int = 1024
