@@ -105,7 +105,7 @@ def own_options(cfg: Config, algo: str, seed: int) -> list[str]:
     """What one algorithm needs beyond the shared setting."""
     if algo == "xrpo":  # n_base rollouts per prompt, the rest of B x G planned by priority
         # our choice: n_base = G / 2, xrpo.py's default ratio (4 of 8), so other --group-size values keep it; the
-        # paper's 2 rounds and 2 exemplars (xrpo.py's CPU defaults are 1 and 1): the comparison judges the paper's recipe
+        # paper's 2 rounds and 2 exemplars (xrpo.py's CPU defaults: 1 and 1), as the comparison judges its recipe
         return ["--base-rollouts", str(max(2, cfg.group_size // 2)), "--rounds", "2", "--icl-shots", "2"]
     if algo == "eapo":  # our choice: pi_RL is the GRPO run of the same seed, the cheapest earlier RL run there is
         return ["--prior", str(Path(cfg.runs_dir) / run_name(cfg, "grpo", seed) / "checkpoint")]

@@ -181,8 +181,8 @@ def overview(results: list, ran_here: bool = True):
     just now (else its CPU flags are not theirs: --run reads runs made anywhere)."""
     grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
     ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
-    # what a file's mechanism makes trainable costs training time: its tokens through the training forward beside grpo.py's
-    grpo_tokens = {seed: r.get("train_tokens") for algo, seed, r in results if algo == "grpo"}
+    # what a file's mechanism makes trainable costs training time: its training-forward tokens beside grpo.py's
+    grpo_tokens = {seed: r["train_tokens"] for algo, seed, r in results if algo == "grpo"}
     print(f"\nCPU flags: {cpu_flags()}" if ran_here else
           f"\nmachine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
@@ -192,8 +192,8 @@ def overview(results: list, ran_here: bool = True):
         rel = f"{ratio(seed, r):.2f}" if ratio(seed, r) is not None else "-"
         split = " + ".join(f"{r['step_split'][k]:.1f}" for k in ("sample", "score", "train")) + " s"
         rate = f"{r['gflops'][0]:.0f} / {r['gflops'][1]:.0f} GFLOP/s" if r.get("gflops") else "-"
-        tokens, base = r.get("train_tokens"), grpo_tokens.get(seed)
-        trained = f"{tokens:.0f}" + (f" ({tokens / base:.2f})" if tokens and base else "") if tokens is not None else "-"
+        tokens, base = r["train_tokens"], grpo_tokens.get(seed)
+        trained = f"{tokens:.0f}" + (f" ({tokens / base:.2f})" if tokens and base else "")
         print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
               f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {split} | "
               f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {trained} | {rate} |")
