@@ -25,10 +25,12 @@ top-k / top-p truncation: the distribution the trainer recomputes. temperature=0
 then they are those of the plain T=1 softmax.
 """
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from numbers import Integral
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common.memory import release_free_memory
 # the project's one softmax / log-prob / entropy, shared with the trainer's reference ops:
@@ -64,6 +66,17 @@ class Companion:
 
 
 # ------------------------------------------------------------------------------------------ sampling
+
+# The attention kernels sampling may use on CUDA: all but cuDNN's. PyTorch prefers cuDNN's fused attention on an
+# H100, and its host-side cost is paid at every layer of every decode step (whose keys, one column longer each
+# token, are a new shape each time): 2.4 ms a call, 56 of an eager step's 66 ms at batch 256; without it a step is
+# 3.3-4.6x faster (bench/decode_attention.py, docs/sampler.md). None: PyTorch's own choice.
+SAMPLING_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _attention_kernels(dev):
+    return sdpa_kernel(SAMPLING_ATTENTION) if dev.type == "cuda" and SAMPLING_ATTENTION else nullcontext()
+
 
 def sample(probs, top_k=0, top_p=1.0, generator=None):
     """probs [B, V] -> token ids [B], drawn from probs restricted to its top_k entries, then to the smallest
@@ -267,7 +280,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
 
-    with torch.inference_mode():
+    with torch.inference_mode(), _attention_kernels(dev):
         # the distinct prompts without their last token: the start all of them share, then each one's rest,
         # left-padded (padding in the middle of a row is fine: positions count real tokens)
         C = _common_prefix_len([p[:-1] for p in uniq])

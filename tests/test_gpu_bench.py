@@ -138,3 +138,15 @@ def test_without_transformers_the_sampler_part_says_so(tmp_path, monkeypatch):
     md = gpu.markdown({"meta": dict(mode="cpu-tiny", device="cpu", torch="t", triton="t", transformers="-", date="d",
                                     commit="c"), "parts": {"sampler": dict(part.data, elapsed_s=1.0)}})
     assert "- skipped transformers generate: transformers is not installed here" in md
+
+
+def test_decode_attention_cpu_tiny(capsys):
+    """bench/decode_attention.py at tiny shapes: a row per case, and on a CPU the setting changes nothing (the
+    sampler leaves PyTorch's attention choice alone there), so every sample's tokens agree."""
+    from bench import decode_attention
+    decode_attention.main(["--cpu-tiny"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [r[0].strip() for r in rows] == [c[0] for c in decode_attention.CASES]
+    for r in rows:
+        same, total = r[-1].strip().split("/")
+        assert same == total

@@ -472,3 +472,14 @@ def test_prompts_of_very_different_lengths_are_not_padded_to_the_longest(tiny, m
     check_scores(model, prompts, groups, 0.9)
     for p, g in zip(prompts, generate(model, prompts, max_new_tokens=8, temperature=0, stop_ids=())):
         assert g[0].tokens == generate(model, [p], max_new_tokens=8, temperature=0, stop_ids=())[0][0].tokens
+
+
+def test_sampling_attention_leaves_out_cudnn_on_cuda_only():
+    """On CUDA generate keeps cuDNN's fused attention out (its per-shape host cost at every decode step,
+    bench/decode_attention.py); elsewhere it leaves PyTorch's choice alone."""
+    import contextlib
+    from torch.nn.attention import SDPBackend
+    assert SDPBackend.CUDNN_ATTENTION not in sampler.SAMPLING_ATTENTION
+    assert SDPBackend.FLASH_ATTENTION in sampler.SAMPLING_ATTENTION and SDPBackend.MATH in sampler.SAMPLING_ATTENTION
+    assert isinstance(sampler._attention_kernels(torch.device("cpu")), contextlib.nullcontext)
+    assert not isinstance(sampler._attention_kernels(torch.device("cuda")), contextlib.nullcontext)
