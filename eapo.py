@@ -417,6 +417,33 @@ class PriorWeights:
     def hold(self):
         return self.resident if self.resident is not None else self.load()
 
+    @property
+    def apart(self):
+        """Whether the augmented completions sample in a call of their own (where π_RL is held per step: a CPU)."""
+        return self.resident is None
+
+
+def rollouts(rollout, priors, mix, contexts, G, G_e, cfg, stop_ids, seed):
+    """G completions of each prompt (groups, prompt-major), the first G_e of each experience-augmented: π_RL decodes
+    alongside them and `mix` may take their critical tokens from it (EAPO Fig. 1). On a GPU one sampling call. On a
+    CPU (priors.apart) the augmented completions come first, in a call of their own with π_RL, and the ordinary ones
+    after it, once π_RL's weights are gone: π_RL's 0.54 x 10^9 bytes in fp32 and the sampler's buffers for all G
+    rows never meet, which keeps a step's peak memory near grpo.py's (docs/eapo.md). our choice: the paper samples
+    on GPUs, where memory is not the limit and a second sequential call would cost a step's sampling latency again.
+    Both ways each completion is drawn from the same distribution; only the random draws differ."""
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=stop_ids)
+    if G_e == 0:
+        return generate(rollout, contexts, n=G, seed=seed, **kw)
+    if not priors.apart:
+        companion = Companion(priors.hold(), mix, rows=augmented_rows(len(contexts), G, G_e))
+        return generate(rollout, contexts, n=G, seed=seed, companion=companion, **kw)
+    augmented = generate(rollout, contexts, n=G_e, seed=seed, companion=Companion(priors.hold(), mix), **kw)
+    ordinary = generate(rollout, contexts, n=G - G_e, seed=seed + 2, **kw)  # π_RL's weights went with the call
+    like = augmented[0][0].extras  # the ordinary completions' per-token extras: zeros, as a joint call gives them
+    for s in (s for g in ordinary for s in g):
+        s.extras = {k: v.new_zeros(len(s.tokens)) for k, v in like.items()}
+    return [a + o for a, o in zip(augmented, ordinary)]
+
 
 def calibrate(rollout, contexts, cfg, tok, seed) -> float:
     """τ from the starting policy: two completions of each of the first step's prompts, at the sampling
@@ -735,11 +762,8 @@ def main(argv=None):
         lam = injection_prob(step - 1, cfg.lam0, cfg.anneal_steps, cfg.schedule)  # k = step - 1: λ_0 at step 1
         aug_rows = augmented_rows(B, G, G_e) if lam > 0 else []
         mix = PriorMix(lam, tau, cfg.temperature, seed + 1, device)  # π_RL's tokens at critical points
-        companion = Companion(priors.hold(), mix, rows=aug_rows) if aug_rows else None
         with torch.no_grad(), autocast:
-            groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=seed, companion=companion)
-        companion = None  # π_RL's weights go before the update (PriorWeights)
+            groups = rollouts(rollout, priors, mix, contexts, G, G_e if aug_rows else 0, cfg, tok.stop_ids, seed)
         b = to_batch(contexts, groups, [p.answer for p in problems], group_ids=range(B))
         aug = torch.zeros(len(b.tokens), dtype=torch.bool)  # [N] augmented completions
         aug[aug_rows] = True

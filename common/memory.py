@@ -24,6 +24,15 @@ def _libc():
 
 _LIBC = _libc()
 
+# glibc takes a block of at least M_MMAP_THRESHOLD bytes from mmap, and gives it back to the OS when it is freed; but
+# it raises that threshold to the size of each such block freed (up to 32 MB), after which the sampler's per-step
+# tensors of a few MB ([rows, vocabulary] logits and probabilities) come from the heap, where freed ones stay mixed
+# with live ones: a sampling call's resident memory then creeps up by ~0.1-0.2 x 10^9 bytes over its decode steps.
+# A fixed threshold keeps blocks of 1 MB and more on mmap (at no measurable cost in a step's time; docs/benchmarks.md).
+M_MMAP_THRESHOLD = -3
+if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+    _LIBC.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
 
 def release_free_memory():
     """Hand the heap's freed pages back to the OS (glibc's malloc_trim; a no-op elsewhere). The trainer frees

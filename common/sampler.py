@@ -398,9 +398,8 @@ class _Follower:
         if not rows:
             return
         uniq = sorted({urow[s] for s in rows})
-        self.cache = model.new_cache(len(uniq), mask.shape[1])
-        prefill(model, ids[uniq], pmask[uniq], self.cache, shared)
-        self.cache.select(torch.tensor([uniq.index(urow[s]) for s in rows], dtype=torch.long, device=ids.device))
+        sel = torch.tensor([uniq.index(urow[s]) for s in rows], dtype=torch.long, device=ids.device)
+        self.cache = _prompt_cache(model, ids[uniq], pmask[uniq], shared, sel, mask.shape[1])  # shared as the policy's
         self.mask, self.padded = mask[self.rows], padded  # [b, max_len], a copy: columns turn on as written
         self.h = model(seg[self.rows], attention_mask=self.mask[:, :width] if padded else None, cache=self.cache,
                        start=ids.shape[1], return_hidden=True)[:, -1]  # [b, d]

@@ -440,9 +440,11 @@ def test_1_lambda_0_step_equals_grpo(in_tmp, models, monkeypatch):
 
 
 def test_1_tau_infinite_samples_grpo_tokens_with_omega_1(in_tmp, models, monkeypatch):
-    """τ = +∞ with λ = 1: the prior runs alongside but nothing is critical: grpo's tokens, ω ≡ 1, the same step."""
+    """τ = +∞ with λ = 1, sampling as on a GPU (one call, π_RL beside the augmented rows): the prior runs alongside
+    but nothing is critical: grpo's tokens, ω ≡ 1, the same step."""
     import grpo
 
+    monkeypatch.setattr(eapo.PriorWeights, "apart", property(lambda self: False))
     grpo_calls, eapo_calls = recording(monkeypatch, grpo), recording(monkeypatch, eapo)
     seen = []
     real_update = eapo.update
@@ -474,8 +476,10 @@ def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
     assert rows[1]["eapo/prior_tokens"] == 4 and rows[3]["eapo/prior_tokens"] == 0
     # 7: the first mini-batch's ratio is exactly 1 (the scoring pass's π_old is the update's own π_θ)
     assert rows[1]["policy/approx_kl"] == 0 and rows[1]["policy/clipfrac_high"] == rows[1]["policy/clipfrac_low"] == 0
-    (_, c1), (_, c2), (_, c3) = calls
-    assert c1.rows == c2.rows == eapo.augmented_rows(2, 8, 2) and c3 is None
+    # on a CPU each step with λ > 0 samples its augmented completions (G_e = 2 of each prompt) with π_RL, then the rest
+    assert [c is not None for _, c in calls] == [True, False, True, False, False]
+    (_, c1), _, (_, c2), _, _ = calls
+    assert c1.rows is None and c2.rows is None  # π_RL follows every row of its call
     assert all(not p.requires_grad and p.grad is None for p in c1.model.parameters())
     state = torch.load(in_tmp / "runs" / "s" / "checkpoint" / "trainer.pt", weights_only=False)
     assert state["extra"]["eapo"]["tau"] == 0.0
@@ -501,6 +505,37 @@ def test_prior_is_held_only_while_it_samples_on_a_cpu(in_tmp, models, monkeypatc
     eapo.main(run_args(models, "--steps", "2", "--run-name", "h", "--prior", str(models[1]), "--tau", "0",
                        "--anneal-steps", "2"))
     assert len(held) == 2 and alive_at_update == [0, 0]
+
+
+def test_on_a_cpu_augmented_completions_sample_apart_with_pi_rl_gone_before_the_others(in_tmp, models, monkeypatch):
+    """On a CPU (priors.apart) a step with λ > 0 samples its G_e augmented completions of each prompt in one call with
+    π_RL and, once π_RL's weights are gone, the G - G_e ordinary ones: π_RL and the sampler's buffers for all G rows
+    never meet. The groups keep the augmented ones first (augmented_rows), the ordinary ones carry zero extras, and
+    the augmented ones what π_RL's mix gave them. Fails if π_RL outlives its call or the two calls are merged out of
+    order."""
+    import gc
+    import weakref
+
+    held, calls, groups_seen = [], [], []
+    real_hold, real_generate, real_rollouts = eapo.PriorWeights.hold, eapo.generate, eapo.rollouts
+    monkeypatch.setattr(eapo.PriorWeights, "hold", lambda self: held.append(weakref.ref(m := real_hold(self))) or m)
+
+    def generate(*a, **kw):
+        gc.collect()
+        calls.append((kw["n"], kw.get("companion") is not None, sum(r() is not None for r in held)))
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(eapo, "generate", generate)
+    monkeypatch.setattr(eapo, "rollouts", lambda *a, **kw: groups_seen.append(g := real_rollouts(*a, **kw)) or g)
+    eapo.main(run_args(models, "--steps", "1", "--run-name", "a", "--prior", str(models[1]), "--tau", "0"))
+    # (n, with π_RL, π_RL's loaded copies alive as the call starts): 2 of 8 with it, then 6 without it
+    assert calls == [(2, True, 1), (6, False, 0)]
+    (groups,) = groups_seen
+    assert all(len(g) == 8 for g in groups)
+    for g in groups:
+        assert all(s.extras["injected"].all() for s in g[:2])  # τ = 0, λ = 1: π_RL decides every augmented token
+        assert all(not s.extras["injected"].any() and not s.extras["rl_logp"].any() for s in g[2:])
+    assert rows_of("a")[1]["eapo/injected_ratio"] == 1.0
 
 
 # A run cut at step 2 by a crash had taken the whole run's rates; asked for 2 steps, it would decay its own last steps
