@@ -28,7 +28,7 @@ _LIBC = _libc()
 # it raises that threshold to the size of each such block freed (up to 32 MB), after which the sampler's per-step
 # tensors of a few MB ([rows, vocabulary] logits and probabilities) come from the heap, where freed ones stay mixed
 # with live ones: a sampling call's resident memory then creeps up by ~0.1-0.2 x 10^9 bytes over its decode steps.
-# A fixed threshold keeps blocks of 1 MB and more on mmap (at no measurable cost in a step's time; docs/benchmarks.md).
+# A fixed threshold keeps blocks of 1 MB and more on mmap (its cost does not show in a run's time: docs/benchmarks.md).
 M_MMAP_THRESHOLD = -3
 if _LIBC is not None and hasattr(_LIBC, "mallopt"):
     _LIBC.mallopt(M_MMAP_THRESHOLD, 1 << 20)
