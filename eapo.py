@@ -399,9 +399,10 @@ def resampled_ratio(resampled: list, augmented: list) -> float:
 class PriorWeights:
     """π_RL, frozen: no gradient ever reaches it. It must share the policy's vocabulary and tokenizer, or its
     probabilities would be of other tokens. On a CPU its weights are held only while it samples: `hold()` loads them
-    from the checkpoint for a step's sampling phase (file-backed, from the page cache: ~0.05 s for SmolLM2-135M) and
-    the step drops them before its update, whose memory is then grpo.py's (π_RL's fp32 weights would add 0.54 x 10^9 B
-    to the gradients and AdamW moments). The sampling phase still holds them (docs/eapo.md). On a GPU they stay."""
+    from the checkpoint for a step's augmented completions (file-backed, from the page cache: ~0.05 s for
+    SmolLM2-135M), and they are gone before the ordinary completions sample and the update runs, whose memory is then
+    grpo.py's (π_RL's fp32 weights would add 0.54 x 10^9 B to the gradients and AdamW moments; `rollouts`,
+    docs/eapo.md). On a GPU they stay."""
 
     def __init__(self, cfg, model, tok, device, dtype):
         self.path, self.device, self.dtype = cfg.prior, device, dtype
