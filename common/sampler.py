@@ -343,6 +343,8 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
             if t + 1 == steps:
                 break
             if (t + 1) % check_every == 0:  # the only host syncs in the loop
+                if dev.type == "cpu":  # the steps' freed blocks under mmap's threshold: else RSS creeps over a call
+                    release_free_memory()
                 n_done = int(done.sum())
                 if n_done == len(rows):
                     break
