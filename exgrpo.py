@@ -293,6 +293,18 @@ class Experience:
             new = [i in last for i in range(len(new))]
         return new
 
+    def to_store_step(self, groups: list, collect: bool) -> list[list[bool]]:
+        """to_store of each of a step's groups [(qid, correct, completions)] as record() will meet them, in order. A
+        question can come twice in one step (replayed, and drawn fresh): its second group is compared with a buffer
+        that already holds what its first group stored, so the marks come from record() on a copy of the buffer."""
+        shadow = Experience(self.K, self.max_stored)
+        shadow.pool = {q: list(self.pool.get(q, [])) for q, _, _ in groups}
+        marks = []
+        for q, correct, completions in groups:
+            marks.append(shadow.to_store(q, correct, completions, collect))
+            shadow.record(q, correct, completions, [torch.zeros(len(t)) for t in completions], collect)
+        return marks
+
     def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool):
         """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
         (once the delayed start has fired), 0 < k < K stores each correct completion not stored yet (to_store) and
@@ -851,15 +863,14 @@ def main(argv=None):
         # ExGRPO: the buffer keeps the trainer's log-probs of the correct rollouts it collects (§4.1): those rows are
         # scored (and the replayed ones, for w*) unless the pass above scored all. our choice: at the sampling
         # temperature, the one every ratio here uses (the paper samples at T = 1)
-        store = torch.tensor([s for j, q in enumerate(qids) for s in exp.to_store(
-            q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], mixed)])  # [N]
+        groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G]) for j, q in enumerate(qids)]
+        store = torch.tensor([s for marks in exp.to_store_step(groups, mixed) for s in marks])  # [N]
         scored_logp = old_logp if old_logp is not None else scored_rows(
             model, b, store | is_replay, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         tok_logps = scored_logp.split(b.lengths.tolist())
-        for j, q in enumerate(qids):  # retire all-correct questions; collect once the delayed start has fired
-            rows = range(j * G, (j + 1) * G)
-            exp.record(q, [bool(correct[i]) for i in rows], [b.tokens[i] for i in rows], [tok_logps[i] for i in rows],
-                       collect=mixed)
+        # retire all-correct questions; collect once the delayed start has fired
+        for j, (q, group_correct, completions) in enumerate(groups):
+            exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed)
         # replayed rows carry their stored log-probs π_past as 'sampler' log-probs; they were not sampled now, so the
         # sampler-trainer mismatch (and TIS) sees the trainer's own there
         replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]

@@ -706,3 +706,27 @@ def test_max_stored_keeps_the_most_recent_and_scores_only_those():
     for step in range(3):
         unbounded.record(0, correct, [[step, i] for i in range(K)], [torch.zeros(2)] * K, collect=True)
     assert len(unbounded.pool[0]) == 12  # 0 (the paper's): every distinct correct one
+
+
+def test_a_question_twice_in_a_step_scores_what_its_second_group_stores():
+    """A question can come twice in one step (replayed, and drawn fresh). record() meets its second group after the
+    first group's trajectories are stored (and, with --max-stored, older ones dropped), so the rows to score must be
+    marked against that buffer, not the one the step began with. Two cases: with the cap, the second group's new rows
+    shift once a repeat of the first group's drops out (marking against the old buffer left a stored row unscored:
+    NaN log-probs and an assertion, seen on a GPU run); without it, a repeat of the first group is not new. Fails if
+    to_store_step marks each group against the step's starting buffer."""
+    exp = Experience(K, max_stored=2)
+    first = ([True, True] + [False] * (K - 2), [[5], [6]] + [[9]] * (K - 2))
+    second = ([True, True, True] + [False] * (K - 3), [[4], [5], [6]] + [[9]] * (K - 3))
+    marks = exp.to_store_step([(0, *first), (0, *second)], collect=True)
+    assert exp.pool == {} and exp.bucket == {}  # marking stores nothing
+    assert marks[0] == [True, True] + [False] * (K - 2)
+    assert marks[1] == [True, False, False] + [False] * (K - 3)  # [5] and [6] are stored by then
+    assert marks[1] != exp.to_store(0, *second, collect=True)  # the starting buffer would mark [5] and [6]
+    for (correct, comps), m in zip((first, second), marks):  # record() stores exactly the marked rows: all scored
+        exp.record(0, correct, comps, [torch.zeros(1) if x else torch.full((1,), float("nan")) for x in m], True)
+    assert sorted(t.tokens for t in exp.pool[0]) == [(4,), (6,)]
+    plain = Experience(K)
+    marks = plain.to_store_step([(3, *first), (7, *first), (3, *first)], collect=True)
+    assert marks[0] == marks[1] == first[0] and marks[2] == [False] * K  # question 3's repeats: already stored
+    assert plain.pool == {}  # marking stores nothing
