@@ -97,7 +97,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     out = {"run": str(run), "acc_before": evals[0]["eval/greedy_acc"], "acc_after": evals[-1]["eval/greedy_acc"],
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps),
            "step_split": {part: mean(f"perf/{part}_s") for part in ("sample", "score", "train")}, "gflops": gflops,
-           "train_tokens": total("perf/train_fwd_tokens")}
+           "train_tokens": total("perf/train_fwd_tokens"), "sampled_tokens": total("perf/sampled_tokens")}
     print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if gflops is not None else ""))  # made here, now
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
@@ -181,22 +181,28 @@ def overview(results: list, ran_here: bool = True):
     just now (else its CPU flags are not theirs: --run reads runs made anywhere)."""
     grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
     ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
-    # what a file's mechanism makes trainable costs training time: its training-forward tokens beside grpo.py's
-    grpo_tokens = {seed: r["train_tokens"] for algo, seed, r in results if algo == "grpo"}
+    # the work a file's mechanism adds, beside grpo.py's of the seed: tokens through the training forward (what it
+    # makes trainable) and tokens sampled (its rollouts are grpo.py's B x G; prefix and in-context prompts are extra)
+    grpo_runs = {seed: r for algo, seed, r in results if algo == "grpo"}
+
+    def with_ratio(seed, r, key):  # "17196 (0.93)": the run's count and its ratio to grpo.py's of the seed
+        base = grpo_runs.get(seed, {}).get(key)
+        return f"{r.get(key) or 0:.0f}" + (f" ({r[key] / base:.2f})" if r.get(key) and base else "")
+
     print(f"\nCPU flags: {cpu_flags()}" if ran_here else
           f"\nmachine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
-          "| trained tokens (x grpo) | fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| trained tokens (x grpo) | sampled tokens (x grpo) | fp32 matmul before / after |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for algo, seed, r in results:
         wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
         rel = f"{ratio(seed, r):.2f}" if ratio(seed, r) is not None else "-"
         split = " + ".join(f"{r['step_split'][k]:.1f}" for k in ("sample", "score", "train")) + " s"
         rate = f"{r['gflops'][0]:.0f} / {r['gflops'][1]:.0f} GFLOP/s" if r.get("gflops") else "-"
-        tokens, base = r["train_tokens"], grpo_tokens.get(seed)
-        trained = f"{tokens:.0f}" + (f" ({tokens / base:.2f})" if tokens and base else "")
         print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
               f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {split} | "
-              f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {trained} | {rate} |")
+              f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {with_ratio(seed, r, 'train_tokens')} | "
+              f"{with_ratio(seed, r, 'sampled_tokens')} | {rate} |")
     print("\n| algorithm | runs | gain, mean ± std (points) | wall / grpo, mean |\n|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
         gains = [100 * (r["acc_after"] - r["acc_before"]) for a, _, r in results if a == algo]

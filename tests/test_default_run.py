@@ -64,13 +64,16 @@ def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
     grpo_rows = [r for r in rows if r.startswith("| grpo | 1 |") or r.startswith("| grpo | 0 |")]
     assert len(grpo_rows) == 2 and all(" | 1.00 | " in r for r in grpo_rows), rows
     assert "CPU flags:" in out and "| wall / grpo, mean |" in out
-    for seed in ("1", "0"):  # the trained-tokens column: the run's own sum, and its ratio to grpo.py's of the seed
-        tokens = {a: sum(json.loads(line).get("perf/train_fwd_tokens", 0) for line in
-                         next((tmp_path / "runs").glob(f"bench-{a}-s{seed}-*[0-9]")).joinpath("metrics.jsonl")
-                         .read_text().splitlines()) for a in ("grpo", "eapo")}
-        ratio = f" ({tokens['eapo'] / tokens['grpo']:.2f})" if tokens["eapo"] and tokens["grpo"] else ""
+    for seed in ("1", "0"):  # the trained- and sampled-tokens columns: the run's sums, their ratios to grpo.py's
         row = next(r for r in rows if r.startswith(f"| eapo | {seed} |"))
-        assert f"| {tokens['eapo']:.0f}{ratio} |" in row, (row, tokens)
+        cells = []
+        for key in ("perf/train_fwd_tokens", "perf/sampled_tokens"):
+            tokens = {a: sum(json.loads(line).get(key, 0) for line in
+                             next((tmp_path / "runs").glob(f"bench-{a}-s{seed}-*[0-9]")).joinpath("metrics.jsonl")
+                             .read_text().splitlines()) for a in ("grpo", "eapo")}
+            ratio = f" ({tokens['eapo'] / tokens['grpo']:.2f})" if tokens["eapo"] and tokens["grpo"] else ""
+            cells.append(f"{tokens['eapo']:.0f}{ratio}")
+        assert f"| {cells[0]} | {cells[1]} |" in row, (row, cells)
 
 
 def test_a_failed_run_keeps_the_others_table(tmp_path, tiny_model_dir):
