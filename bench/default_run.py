@@ -85,7 +85,7 @@ def _prod(shape):
 
 
 def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None, predict_gflops: float = 111.0,
-              gflops: tuple | None = None):
+              gflops: tuple | None = None, flags: str | None = None):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/greedy_acc" in r]
     steps = [r for r in rows if "perf/step_s" in r]
@@ -98,7 +98,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps),
            "step_split": {part: mean(f"perf/{part}_s") for part in ("sample", "score", "train")}, "gflops": gflops,
            "train_tokens": total("perf/train_fwd_tokens"), "sampled_tokens": total("perf/sampled_tokens")}
-    print(f"\nrun {run}" + (f"  (CPU flags: {cpu_flags()})" if gflops is not None else ""))  # made here, now
+    print(f"\nrun {run}" + (f"  (CPU flags: {flags})" if flags else ""))
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
           f"{out['acc_before']:.3f} -> {out['acc_after']:.3f} ({100 * (out['acc_after'] - out['acc_before']):+.1f} points) |")
@@ -175,10 +175,11 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     return evals[0], evals[1]
 
 
-def overview(results: list, ran_here: bool = True):
+def overview(results: list, ran_here: bool = True, recorded_flags: str | None = None):
     """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
     mean +- std of the gain and of that ratio over seeds per algorithm. ran_here: the runs were made on this machine
-    just now (else its CPU flags are not theirs: --run reads runs made anywhere)."""
+    just now (else its CPU flags are not theirs: --run reads runs made anywhere); recorded_flags: the CPU flags the
+    runs recorded (all the same), if they did."""
     grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
     ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
     # the work a file's mechanism adds, beside grpo.py's of the seed: tokens through the training forward (what it
@@ -189,8 +190,8 @@ def overview(results: list, ran_here: bool = True):
         base = grpo_runs.get(seed, {}).get(key)
         return f"{r.get(key) or 0:.0f}" + (f" ({r[key] / base:.2f})" if r.get(key) and base else "")
 
-    print(f"\nCPU flags: {cpu_flags()}" if ran_here else
-          f"\nmachine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})")
+    print(f"\nCPU flags: {cpu_flags()}" if ran_here else f"\nCPU flags (recorded with the runs): {recorded_flags}"
+          if recorded_flags else f"\nmachine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
           "| trained tokens (x grpo) | sampled tokens (x grpo) | fp32 matmul before / after |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")
@@ -260,7 +261,18 @@ def run_once(algo: str, seed: int, rest: list, log: bool = False) -> tuple:
         print(f"bench/default_run.py: {' '.join(cmd[1:])} failed with exit code {r.returncode}", file=sys.stderr)
         return None
     kb = [float(line.split()[1]) for line in lines if line.startswith("PEAK_RSS_KB")]
-    return Path("runs") / name, wall, (kb[-1] / 2 ** 20 if kb else None), (rate and (rate, matmul_gflops()))
+    rss, rates = (kb[-1] / 2 ** 20 if kb else None), (rate and (rate, matmul_gflops()))
+    # kept beside the run's metrics, so that a benchmark stopped part-way (or --run later) keeps these numbers
+    (Path("runs") / name / "bench.json").write_text(json.dumps(
+        {"wall_s": wall, "peak_rss_gb": rss, "gflops": rates, "cpu_flags": cpu_flags(), "command": cmd[1:]}))
+    return Path("runs") / name, wall, rss, rates
+
+
+def measured(run: Path) -> dict:
+    """What run_once measured of a run (bench.json): wall time, peak RSS, matmul rates, CPU flags. Runs made before
+    it was kept: the run's own timer from the log beside it (--jobs > 1) and the metrics' peak RSS."""
+    f = run / "bench.json"
+    return json.loads(f.read_text()) if f.is_file() else {"wall_s": logged_time(run)}
 
 
 def main():
@@ -284,11 +296,14 @@ def main():
             if not (run / "metrics.jsonl").is_file():
                 sys.exit(f"bench/default_run.py: --run: {run / 'metrics.jsonl'} not found (expected a run folder)")
             name = re.fullmatch(r"bench-(\w+)-s(\d+)-.*", run.name)
+            m = measured(run)
             results.append((name[1] if name else run.name, int(name[2]) if name else -1,
-                            summarise(run, wall=logged_time(run), predict_gflops=args.predict_gflops)))
+                            summarise(run, m.get("wall_s"), m.get("peak_rss_gb"), args.predict_gflops, m.get("gflops"),
+                                      m.get("cpu_flags"))))
             if args.held_out:
                 reevaluate(run, args.held_out)
-        return overview(results, ran_here=False)
+        flags = {measured(run).get("cpu_flags") for run in args.run if (run / "metrics.jsonl").is_file()}
+        return overview(results, ran_here=False, recorded_flags=flags.pop() if len(flags) == 1 else None)
     algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:
@@ -305,7 +320,7 @@ def main():
         with ThreadPoolExecutor(args.jobs) as pool:
             done += list(pool.map(lambda job: (job, run_once(*job, rest, log=args.jobs > 1)), wave))
     # a failed run loses only its own row: the finished runs' table is printed, then the exit says which failed
-    results = [(algo, seed, summarise(path, wall, rss, args.predict_gflops, gflops))
+    results = [(algo, seed, summarise(path, wall, rss, args.predict_gflops, gflops, cpu_flags()))
                for (algo, seed), (path, wall, rss, gflops) in ((job, r) for job, r in done if r is not None)]
     if results:
         overview([(algo, seed, r) for algo, seed, r in results])

@@ -74,6 +74,11 @@ def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
             ratio = f" ({tokens['eapo'] / tokens['grpo']:.2f})" if tokens["eapo"] and tokens["grpo"] else ""
             cells.append(f"{tokens['eapo']:.0f}{ratio}")
         assert f"| {cells[0]} | {cells[1]} |" in row, (row, cells)
+    # each run keeps what was measured of it (bench.json): --run later prints the same rows, wall time, its ratio,
+    # peak RSS and matmul rates included, and the CPU flags they were made with
+    again = bench(tmp_path, "--run", *map(str, sorted((tmp_path / "runs").glob("bench-*[0-9]"))))
+    assert sorted(r for r in again.splitlines() if r.startswith(("| grpo | ", "| eapo | "))) == sorted(rows)
+    assert "CPU flags (recorded with the runs): " in again
 
 
 def test_a_failed_run_keeps_the_others_table(tmp_path, tiny_model_dir):
