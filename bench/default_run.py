@@ -302,8 +302,12 @@ def main():
                                       m.get("cpu_flags"))))
             if args.held_out:
                 reevaluate(run, args.held_out)
-        flags = {measured(run).get("cpu_flags") for run in args.run if (run / "metrics.jsonl").is_file()}
-        return overview(results, ran_here=False, recorded_flags=flags.pop() if len(flags) == 1 else None)
+        # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
+        results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))
+        flags = [measured(run).get("cpu_flags") for run in args.run if (run / "metrics.jsonl").is_file()]
+        recorded = {f for f in flags if f}
+        return overview(results, ran_here=False, recorded_flags=f"{recorded.pop()} ({len(flags) - flags.count(None)} "
+                        f"of the {len(flags)} runs recorded them)" if len(recorded) == 1 else None)
     algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:

@@ -78,7 +78,10 @@ def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
     # peak RSS and matmul rates included, and the CPU flags they were made with
     again = bench(tmp_path, "--run", *map(str, sorted((tmp_path / "runs").glob("bench-*[0-9]"))))
     assert sorted(r for r in again.splitlines() if r.startswith(("| grpo | ", "| eapo | "))) == sorted(rows)
-    assert "CPU flags (recorded with the runs): " in again
+    assert "CPU flags (recorded with the runs): " in again and "(4 of the 4 runs recorded them)" in again
+    starts = tuple(f"| {a} | {s} |" for a in ("grpo", "eapo") for s in "01")
+    run_rows = [r[:12] for r in again.splitlines() if r.startswith(starts)]
+    assert run_rows == ["| grpo | 0 |", "| eapo | 0 |", "| grpo | 1 |", "| eapo | 1 |"]  # seed by seed, grpo first
 
 
 def test_a_failed_run_keeps_the_others_table(tmp_path, tiny_model_dir):
