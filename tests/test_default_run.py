@@ -114,3 +114,38 @@ def test_phase_memory_reports_each_phase(tmp_path, tiny_model_dir):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "ppo"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "algorithm" in bad.stderr
+
+
+def test_mechanisms_sums_each_files_own_metrics(tmp_path):
+    """bench/mechanisms.py: one line per variant run from its metrics (sums over steps, first step of replay, λ's
+    last step), none for grpo.py; no run folder is a one-line error. Catches a line that reads one step only."""
+    steps = {"exgrpo": [{"exgrpo/replay_share": 0.0, "exgrpo/retired": 0},
+                        {"exgrpo/replay_share": 0.5, "exgrpo/retired": 3}],
+             "xrpo": [{"xrpo/rollouts_min": 4, "xrpo/rollouts_max": 12, "xrpo/seeded_prompts": 2,
+                       "xrpo/icl_rollouts": 9, "xrpo/bonus_given": 1}] * 2,
+             "extra": [{"extra/bonus_share": 0.0, "extra/prefixes_stored": 2, "extra/guided_rows": 0},
+                       {"extra/bonus_share": 0.25, "extra/prefixes_stored": 1, "extra/guided_rows": 1}],
+             "eapo": [{"eapo/injected_ratio": 0.05, "eapo/lambda": 1.0},
+                      {"eapo/injected_ratio": 0.0, "eapo/lambda": 0.0}],
+             "grpo": [{}, {}]}
+    for algo, rows in steps.items():
+        run = tmp_path / f"bench-{algo}-s0-1"
+        run.mkdir()
+        lines = [{"step": 0, "eval/greedy_acc": 0.2}]
+        lines += [{"step": i + 1, "perf/step_s": 1.0, **r} for i, r in enumerate(rows)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    folders = sorted(map(str, tmp_path.glob("bench-*")))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), *folders], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    assert out == {
+        "bench-eapo-s0-1": "π_RL decided 5.0% of the augmented tokens at step 1; λ 1.00 at step 1, 0 from step 2",
+        "bench-exgrpo-s0-1": "replay from step 2, up to 50% of the batch; 3 questions retired",
+        "bench-extra-s0-1": "novelty bonus at 1 of 2 steps (up to 25% of the correct answers); 3 prefixes stored, "
+                            "1 guided prompts (a prompt and a stored prefix)",
+        "bench-xrpo-s0-1": "4-12 rollouts a prompt; 4 prompts seeded with exemplars (18 rollouts); novelty bonus on 2 "
+                           "correct rollouts"}, out
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr
