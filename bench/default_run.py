@@ -175,11 +175,10 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     return evals[0], evals[1]
 
 
-def overview(results: list, ran_here: bool = True, recorded_flags: str | None = None):
+def overview(results: list, machine: str):
     """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
-    mean +- std of the gain and of that ratio over seeds per algorithm. ran_here: the runs were made on this machine
-    just now (else its CPU flags are not theirs: --run reads runs made anywhere); recorded_flags: the CPU flags the
-    runs recorded (all the same), if they did."""
+    mean +- std of the gain and of that ratio over seeds per algorithm, under `machine`: the line that says which CPU
+    made the runs."""
     grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
     ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
     # the work a file's mechanism adds, beside grpo.py's of the seed: tokens through the training forward (what it
@@ -190,8 +189,7 @@ def overview(results: list, ran_here: bool = True, recorded_flags: str | None = 
         base = grpo_runs.get(seed, {}).get(key)
         return f"{r.get(key) or 0:.0f}" + (f" ({r[key] / base:.2f})" if r.get(key) and base else "")
 
-    print(f"\nCPU flags: {cpu_flags()}" if ran_here else f"\nCPU flags (recorded with the runs): {recorded_flags}"
-          if recorded_flags else f"\nmachine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})")
+    print(f"\n{machine}")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
           "| trained tokens (x grpo) | sampled tokens (x grpo) | fp32 matmul before / after |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")
@@ -289,7 +287,7 @@ def main():
     args, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
     if args.run:
-        results = []
+        results, flags = [], []
         for run in args.run:
             if run.suffix == ".log" and run.is_file():  # a shell glob also matches the runs' logs beside them
                 continue
@@ -297,6 +295,7 @@ def main():
                 sys.exit(f"bench/default_run.py: --run: {run / 'metrics.jsonl'} not found (expected a run folder)")
             name = re.fullmatch(r"bench-(\w+)-s(\d+)-.*", run.name)
             m = measured(run)
+            flags.append(m.get("cpu_flags"))
             results.append((name[1] if name else run.name, int(name[2]) if name else -1,
                             summarise(run, m.get("wall_s"), m.get("peak_rss_gb"), args.predict_gflops, m.get("gflops"),
                                       m.get("cpu_flags"))))
@@ -304,10 +303,14 @@ def main():
                 reevaluate(run, args.held_out)
         # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
         results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))
-        flags = [measured(run).get("cpu_flags") for run in args.run if (run / "metrics.jsonl").is_file()]
+        # --run reads runs made anywhere: the flags they recorded (bench.json), never this machine's as theirs
         recorded = {f for f in flags if f}
-        return overview(results, ran_here=False, recorded_flags=f"{recorded.pop()} ({len(flags) - flags.count(None)} "
-                        f"of the {len(flags)} runs recorded them)" if len(recorded) == 1 else None)
+        if len(recorded) == 1:
+            machine = (f"CPU flags (recorded with the runs): {recorded.pop()} "
+                       f"({len(flags) - flags.count(None)} of the {len(flags)} runs recorded them)")
+        else:
+            machine = f"machine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})"
+        return overview(results, machine)
     algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:
@@ -327,7 +330,7 @@ def main():
     results = [(algo, seed, summarise(path, wall, rss, args.predict_gflops, gflops, cpu_flags()))
                for (algo, seed), (path, wall, rss, gflops) in ((job, r) for job, r in done if r is not None)]
     if results:
-        overview([(algo, seed, r) for algo, seed, r in results])
+        overview([(algo, seed, r) for algo, seed, r in results], f"CPU flags: {cpu_flags()}")
     failed = [f"{algo}.py seed {seed}" for (algo, seed), r in done if r is None]
     if failed:
         sys.exit(f"bench/default_run.py: {len(failed)} run(s) failed: {', '.join(failed)} (their errors above)")
