@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from common import checkpoint, dist
-from common.batch import Batch, completion_logprobs, to_batch, token_index, trainer_logprobs, varied_share
+from common.batch import Batch, completion_logprobs, micro_batches, to_batch, token_index, trainer_logprobs, varied_share
 from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate
 from common.hub import resolve_model_dir
@@ -577,7 +577,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                 forking[tok_mb] = high_entropy(b.sampler_entropy[tok_mb], cfg.top_entropy)
             dist.zero_grad(optimizer, model)
             trained = [i for i in idx if active[i]]
-            micro = [trained[i:i + cfg.micro_batch] for i in range(0, len(trained), cfg.micro_batch)]
+            micro = micro_batches(trained, b.group, cfg.micro_batch)
             for j, mb in enumerate(micro):
                 w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
                 with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last

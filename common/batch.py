@@ -10,6 +10,7 @@ prompt, a prompt plus a given prefix...), belongs to group[i] (advantages are re
 may differ in size), and its first skip[i] tokens were given rather than sampled, so they get no loss. Per-token
 values live in flat [n_tok] tensors over all completion tokens, completion after completion.
 """
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -87,50 +88,86 @@ def token_index(lengths: torch.Tensor, idx) -> torch.Tensor:
                      [torch.arange(int(offsets[i]), int(offsets[i] + lengths[i])) for i in idx])
 
 
+def micro_batches(idx: list, group: torch.Tensor, size: int) -> list[list]:
+    """The completions idx (in batch order) cut into micro-batches of at most `size`, each group whole where it
+    fits: a micro-batch then holds few distinct contexts and its packed rows little padding (groups of unequal size,
+    as XRPO's, would otherwise straddle the cuts). A group larger than `size` fills micro-batches of its own first.
+    Gradient accumulation sums every micro-batch, so where the cuts fall changes no gradient; groups of `size`
+    each (grpo.py's) are cut exactly as fixed chunks of `size` would be."""
+    out, current = [], []
+    for _, members in itertools.groupby(idx, key=lambda i: int(group[i])):
+        members = list(members)
+        if current and len(current) + len(members) > size:
+            out.append(current)
+            current = []
+        while len(members) > size:
+            out.append(members[:size])
+            members = members[size:]
+        current += members
+    return out + ([current] if current else [])
+
+
 # Longest packed row: G completions after one shared prompt make one row whose attention mask is [T, T].
 MAX_PACKED_TOKENS = 2048
 
 
 def pack_inputs(contexts, completions, skip, pad_id):
-    """Completions that share a context go into one row after a single copy of it (shared-prefix training: the
+    """Completions that share a context go into one block after a single copy of it (shared-prefix training: the
     prompt's states are computed once per group instead of once per completion, and its gradient is the sum).
 
-    A row is context[:-1], then for each completion a segment [context[-1], *completion] whose tokens see the
+    A block is context[:-1], then for each completion a segment [context[-1], *completion] whose tokens see the
     shared part and the earlier tokens of their own segment only, at the positions they would have alone; the
-    context's last token is repeated so that each segment predicts its own first token. Returns ids [R, T],
-    targets [R, T], target mask [R, T] (completion tokens at or after skip), positions [R, T], a who-sees-whom
-    mask [R, T, T] (None when every row holds one completion: then plain causal attention does it), and for each
-    masked target the index (into the inputs) of the completion it belongs to, row after row."""
-    rows = {}  # context -> member completions, in order of first appearance
+    context's last token is repeated so that each segment predicts its own first token. Blocks go into rows first
+    fit, longest first, each row at most as long as the longest block: several short blocks then share a row
+    instead of each being padded to the longest (uneven groups, as XRPO's, or contexts of different lengths), and
+    a block sees nothing of its row's other blocks. Returns ids [R, T], targets [R, T], target mask [R, T]
+    (completion tokens at or after skip), positions [R, T], a who-sees-whom mask [R, T, T] (None when every row
+    holds one completion: then plain causal attention does it), and for each masked target the index (into the
+    inputs) of the completion it belongs to, row after row."""
+    members_of = {}  # context -> its blocks' member completions, in order of first appearance
     for i, c in enumerate(contexts):
-        members = rows.setdefault(tuple(c), [[]])
+        members = members_of.setdefault(tuple(c), [[]])
         if members[-1] and len(c) + sum(len(completions[j]) + 1 for j in members[-1]) + len(completions[i]) > MAX_PACKED_TOKENS:
-            members.append([])  # this row is full: the context again in a new row
+            members.append([])  # this block is full: the context again in a new block
         members[-1].append(i)
-    packed = [(list(c), m) for c, ms in rows.items() for m in ms]
-    T = max(len(c) - 1 + sum(len(completions[i]) + 1 for i in m) for c, m in packed)
-    ids, targets, pos = (torch.full((len(packed), T), v, dtype=torch.long) for v in (pad_id, pad_id, 0))
-    segment = torch.full((len(packed), T), -2, dtype=torch.long)  # -1: shared context, -2: padding, j: member j
-    target_mask = torch.zeros(len(packed), T, dtype=torch.bool)
+    blocks = [(list(c), m) for c, ms in members_of.items() for m in ms]
+    size = [len(c) - 1 + sum(len(completions[i]) + 1 for i in m) for c, m in blocks]
+    T = max(size)
+    rows, room = [], []  # the blocks of each row; the columns each row has left
+    for k in sorted(range(len(blocks)), key=lambda k: -size[k]):  # first fit decreasing
+        r = next((r for r in range(len(rows)) if room[r] >= size[k]), len(rows))
+        if r == len(rows):
+            rows.append([]), room.append(T)
+        rows[r].append(k)
+        room[r] -= size[k]
+    ids, targets, pos = (torch.full((len(rows), T), v, dtype=torch.long) for v in (pad_id, pad_id, 0))
+    block = torch.full((len(rows), T), -1, dtype=torch.long)  # which block a column belongs to; -1: padding
+    segment = torch.full((len(rows), T), -2, dtype=torch.long)  # -1: shared context, -2: padding, j: member j
+    target_mask = torch.zeros(len(rows), T, dtype=torch.bool)
     owner = []
-    for r, (c, members) in enumerate(packed):
-        P = len(c) - 1
-        ids[r, :P], pos[r, :P], segment[r, :P] = torch.tensor(c[:-1], dtype=torch.long), torch.arange(P), -1
-        at = P
-        for j, i in enumerate(members):
-            t, L = completions[i], len(completions[i])
-            ids[r, at:at + L + 1] = torch.tensor([c[-1], *t], dtype=torch.long)
-            targets[r, at:at + L] = torch.tensor(t, dtype=torch.long)
-            pos[r, at:at + L + 1] = torch.arange(P, P + L + 1)
-            segment[r, at:at + L + 1] = j
-            target_mask[r, at + skip[i]:at + L] = True
-            owner += [i] * (L - skip[i])
-            at += L + 1
+    for r, ks in enumerate(rows):
+        at = 0
+        for k in ks:
+            c, members = blocks[k]
+            P = len(c) - 1
+            ids[r, at:at + P], pos[r, at:at + P], segment[r, at:at + P] = torch.tensor(c[:-1], dtype=torch.long), torch.arange(P), -1
+            block[r, at:at + size[k]] = k
+            at += P
+            for j, i in enumerate(members):
+                t, L = completions[i], len(completions[i])
+                ids[r, at:at + L + 1] = torch.tensor([c[-1], *t], dtype=torch.long)
+                targets[r, at:at + L] = torch.tensor(t, dtype=torch.long)
+                pos[r, at:at + L + 1] = torch.arange(P, P + L + 1)
+                segment[r, at:at + L + 1] = j
+                target_mask[r, at + skip[i]:at + L] = True
+                owner += [i] * (L - skip[i])
+                at += L + 1
     mask = None
-    if any(len(m) > 1 for _, m in packed):
+    if any(len(ks) > 1 or len(blocks[ks[0]][1]) > 1 for ks in rows):
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         same = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == -1)
-        mask = causal & same  # padding sees padding, itself included: no query is left with nothing to see
+        # padding sees padding, itself included: no query is left with nothing to see
+        mask = causal & same & (block[:, :, None] == block[:, None, :])
     return ids, targets, target_mask, pos, mask, torch.tensor(owner, dtype=torch.long)
 
 

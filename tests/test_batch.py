@@ -40,11 +40,17 @@ def alone(model, b, temperature):
 def test_packed_rows_share_the_context(monkeypatch):
     b = shared_batch()
     ids, targets, tmask, pos, mask, owner = cb.pack_inputs(b.context, b.tokens, [0] * 8, 0)
-    assert ids.shape[0] == 3 and mask is not None  # one row per distinct context
-    first_row = [i for i in range(8) if b.context[i] == b.context[0]]  # its targets, completion after completion
-    assert owner[:int(tmask[0].sum())].tolist() == [i for i in first_row for _ in b.tokens[i]]
+    contexts = list(dict.fromkeys(map(tuple, b.context)))
+    blocks = [len(c) - 1 + sum(len(t) + 1 for t, bc in zip(b.tokens, b.context) if tuple(bc) == c) for c in contexts]
+    # each context once (pad id 0 marks the padding), and the two shorter blocks share a row: 2 rows for 3 contexts
+    assert int((ids != 0).sum()) == sum(blocks) and mask is not None
+    assert ids.shape == (2, max(blocks)) and sorted(blocks)[0] + sorted(blocks)[1] <= max(blocks)
+    first_row = [i for i in range(8) if b.context[i] == b.context[0]]  # each block's targets in order
+    assert owner.tolist().count(first_row[0]) == len(b.tokens[first_row[0]])
+    in_row = [sorted(set(owner[int(tmask[:r].sum()):int(tmask[:r + 1].sum())].tolist())) for r in range(2)]
+    assert sorted(sum(in_row, [])) == list(range(8))
     assert int(tmask.sum()) == sum(len(t) for t in b.tokens)
-    monkeypatch.setattr(cb, "MAX_PACKED_TOKENS", 12)  # a full row starts another row with the context again
+    monkeypatch.setattr(cb, "MAX_PACKED_TOKENS", 12)  # a full block starts another block with the context again
     assert cb.pack_inputs(b.context, b.tokens, [0] * 8, 0)[0].shape[0] > 3
 
 
@@ -108,3 +114,17 @@ def test_select_and_concat_keep_every_per_token_array_aligned():
     assert torch.equal(both.sampler_entropy[:len(tok)], b.sampler_entropy[tok])
     assert len(both.sampler_logp) == len(both.sampler_entropy) == n_tok
     assert cb.concat(part, shared_batch()).sampler_entropy is None  # one side without entropies: none
+
+
+def test_micro_batches_keep_groups_whole_where_they_fit():
+    group = torch.tensor([0] * 3 + [1] * 3 + [2] * 5 + [3] * 13 + [4] * 2)
+    idx = list(range(len(group)))
+    micro = cb.micro_batches(idx, group, 8)
+    assert sum(micro, []) == idx  # every completion once, in order
+    # 3 + 3 fit together; 5 does not join them; 13 fills 8 then leaves 5, which 2 joins
+    assert [len(m) for m in micro] == [6, 5, 8, 7]
+    assert all(len(set(group[m].tolist())) <= 2 for m in micro) and max(len(m) for m in micro) <= 8
+    # grpo.py's batch (groups of micro_batch each, some inactive and left out of idx): fixed chunks, as before
+    group = torch.arange(6).repeat_interleave(8)
+    idx = [i for i in range(48) if int(group[i]) != 2]
+    assert cb.micro_batches(idx, group, 8) == [idx[i:i + 8] for i in range(0, len(idx), 8)]
