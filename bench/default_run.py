@@ -189,26 +189,43 @@ def overview(results: list, machine: str):
         base = grpo_runs.get(seed, {}).get(key)
         return f"{r.get(key) or 0:.0f}" + (f" ({r[key] / base:.2f})" if r.get(key) and base else "")
 
+    def at_grpo_rate(seed, r):
+        """The ratio had the machine kept the matmul rate of grpo.py's run: the wall ratio times the run's mean
+        rate (probes before and after it) over grpo.py's. An estimate: a shared machine drifts by tens of % within
+        an hour, and the probes see only the run's two ends; None where a run has no probes."""
+        x, rate, base = ratio(seed, r), mean_rate(r), mean_rate(grpo_runs.get(seed, {}))
+        return x * rate / base if x is not None and rate and base else None
+
     print(f"\n{machine}")
-    print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | step: sample + score + train | peak RSS "
-          "| trained tokens (x grpo) | sampled tokens (x grpo) | fp32 matmul before / after |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | at grpo's matmul rate "
+          "| step: sample + score + train | peak RSS | trained tokens (x grpo) | sampled tokens (x grpo) "
+          "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for algo, seed, r in results:
         wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
         rel = f"{ratio(seed, r):.2f}" if ratio(seed, r) is not None else "-"
+        adjusted = f"{at_grpo_rate(seed, r):.2f}" if at_grpo_rate(seed, r) is not None else "-"
         split = " + ".join(f"{r['step_split'][k]:.1f}" for k in ("sample", "score", "train")) + " s"
         rate = f"{r['gflops'][0]:.0f} / {r['gflops'][1]:.0f} GFLOP/s" if r.get("gflops") else "-"
         print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
-              f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {split} | "
+              f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {adjusted} | {split} | "
               f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {with_ratio(seed, r, 'train_tokens')} | "
               f"{with_ratio(seed, r, 'sampled_tokens')} | {rate} |")
-    print("\n| algorithm | runs | gain, mean ± std (points) | wall / grpo, mean |\n|---|---|---|---|")
+    print("\n| algorithm | runs | gain, mean ± std (points) | wall / grpo, mean | at grpo's matmul rate, mean |\n"
+          "|---|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
         gains = [100 * (r["acc_after"] - r["acc_before"]) for a, _, r in results if a == algo]
         spread = f" ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else ""
-        rels = [x for x in (ratio(s, r) for a, s, r in results if a == algo) if x is not None]
-        rel = f"{statistics.fmean(rels):.2f}" if rels else "-"
-        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {rel} |")
+        means = []
+        for fn in (ratio, at_grpo_rate):
+            xs = [x for x in (fn(s, r) for a, s, r in results if a == algo) if x is not None]
+            means.append(f"{statistics.fmean(xs):.2f}" if xs else "-")
+        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {means[0]} | {means[1]} |")
+
+
+def mean_rate(r: dict) -> float | None:
+    """A run's fp32 matmul rate, the mean of its probes before and after; None without both."""
+    rates = r.get("gflops") or ()
+    return statistics.fmean(rates) if len(rates) == 2 and all(rates) else None
 
 
 def finished_run(algo: str, seed: int) -> Path | None:

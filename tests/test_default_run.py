@@ -1,4 +1,5 @@
 """bench/default_run.py on a tiny model: EAPO's two commands (its prior made first), the tables, --run again."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -149,3 +150,21 @@ def test_mechanisms_sums_each_files_own_metrics(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr
+
+
+def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
+    """The ratio at grpo.py's matmul rate: a run on a machine that became 1.5x slower, and took 1.5x as long,
+    did grpo.py's work; a run without its probes gets no adjusted ratio."""
+    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
+    default_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default_run)
+
+    def run(wall, gflops):
+        return {"wall_s": wall, "gflops": gflops, "acc_before": 0.25, "acc_after": 0.4, "peak_rss_gb": 2.5,
+                "step_split": {"sample": 1.0, "score": 0.0, "train": 1.0}, "train_tokens": 10, "sampled_tokens": 20}
+    default_run.overview([("grpo", 0, run(400.0, (300.0, 300.0))), ("xrpo", 0, run(600.0, (180.0, 220.0))),
+                          ("extra", 0, run(480.0, None))], "CPU flags: test")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and " | 0 | " in line}
+    assert rows["xrpo"][5:7] == ["1.50", "1.00"]  # 600 / 400, times 200 / 300
+    assert rows["extra"][5:7] == ["1.20", "-"] and rows["grpo"][5:7] == ["1.00", "1.00"]
