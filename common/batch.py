@@ -136,8 +136,9 @@ def pack_inputs(contexts, completions, skip, pad_id):
     rows, room = [], []  # the blocks of each row; the columns each row has left
     for k in sorted(range(len(blocks)), key=lambda k: -size[k]):  # first fit decreasing
         r = next((r for r in range(len(rows)) if room[r] >= size[k]), len(rows))
-        if r == len(rows):
-            rows.append([]), room.append(T)
+        if r == len(rows):  # a new row
+            rows.append([])
+            room.append(T)
         rows[r].append(k)
         room[r] -= size[k]
     ids, targets, pos = (torch.full((len(rows), T), v, dtype=torch.long) for v in (pad_id, pad_id, 0))
