@@ -200,10 +200,10 @@ def overview(results: list, machine: str):
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | at grpo's matmul rate "
           "| step: sample + score + train | peak RSS | trained tokens (x grpo) | sampled tokens (x grpo) "
           "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    two = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for algo, seed, r in results:
         wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
-        rel = f"{ratio(seed, r):.2f}" if ratio(seed, r) is not None else "-"
-        adjusted = f"{at_grpo_rate(seed, r):.2f}" if at_grpo_rate(seed, r) is not None else "-"
+        rel, adjusted = two(ratio(seed, r)), two(at_grpo_rate(seed, r))
         split = " + ".join(f"{r['step_split'][k]:.1f}" for k in ("sample", "score", "train")) + " s"
         rate = f"{r['gflops'][0]:.0f} / {r['gflops'][1]:.0f} GFLOP/s" if r.get("gflops") else "-"
         print(f"| {algo} | {seed} | {r['acc_before']:.3f} -> {r['acc_after']:.3f} | "
@@ -218,7 +218,7 @@ def overview(results: list, machine: str):
         means = []
         for fn in (ratio, at_grpo_rate):
             xs = [x for x in (fn(s, r) for a, s, r in results if a == algo) if x is not None]
-            means.append(f"{statistics.fmean(xs):.2f}" if xs else "-")
+            means.append(two(statistics.fmean(xs) if xs else None))
         print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {means[0]} | {means[1]} |")
 
 

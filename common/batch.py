@@ -107,6 +107,20 @@ def micro_batches(idx: list, group: torch.Tensor, size: int) -> list[list]:
     return out + ([current] if current else [])
 
 
+def first_fit(sizes: list, capacity: int) -> list[list]:
+    """Bins of at most `capacity`, first fit, largest first: the indices of the sizes in each bin."""
+    bins, room = [], []
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        b = next((b for b in range(len(bins)) if room[b] >= sizes[k]), None)
+        if b is None:
+            bins.append([])
+            room.append(capacity)
+            b = len(bins) - 1
+        bins[b].append(k)
+        room[b] -= sizes[k]
+    return bins
+
+
 # Longest packed row: G completions after one shared prompt make one row whose attention mask is [T, T].
 MAX_PACKED_TOKENS = 2048
 
@@ -133,14 +147,7 @@ def pack_inputs(contexts, completions, skip, pad_id):
     blocks = [(list(c), m) for c, ms in members_of.items() for m in ms]
     size = [len(c) - 1 + sum(len(completions[i]) + 1 for i in m) for c, m in blocks]
     T = max(size)
-    rows, room = [], []  # the blocks of each row; the columns each row has left
-    for k in sorted(range(len(blocks)), key=lambda k: -size[k]):  # first fit decreasing
-        r = next((r for r in range(len(rows)) if room[r] >= size[k]), len(rows))
-        if r == len(rows):  # a new row
-            rows.append([])
-            room.append(T)
-        rows[r].append(k)
-        room[r] -= size[k]
+    rows = first_fit(size, T)
     ids, targets, pos = (torch.full((len(rows), T), v, dtype=torch.long) for v in (pad_id, pad_id, 0))
     block = torch.full((len(rows), T), -1, dtype=torch.long)  # which block a column belongs to; -1: padding
     segment = torch.full((len(rows), T), -2, dtype=torch.long)  # -1: shared context, -2: padding, j: member j
