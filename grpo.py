@@ -38,6 +38,7 @@ from common.hub import resolve_model_dir
 from common.logger import MetricsLog
 from common.memory import peak_rss_gb
 from common.model import Transformer, compute_dtype
+from common.optim import adamw
 from common.options import high_entropy, overlong_penalty, token_mask
 from common.sampler import generate
 from common.tasks import format_question, load_task
@@ -490,17 +491,12 @@ def main(argv=None):
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
-    # fused: one pass over the weights per step, without the temporaries as large as all the weights that the
-    # default (foreach) path allocates; FSDP2's sharded weights keep the default path
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), fused=not cfg.fsdp)
+    # AdamW's fused kernel, one pass over the weights per step, without torch.optim's imports (common/optim.py)
+    optimizer = adamw(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                      weight_decay=cfg.weight_decay, sharded=cfg.fsdp)
     start_step = state["step"] if state else 0
     if state is not None:
         dist.load_optimizer_state(model, optimizer, state["optimizer"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg), last_epoch=start_step - 1)
-    if start_step:  # LambdaLR with last_epoch does not set the lr itself
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None, total_steps=cfg.steps,
@@ -553,21 +549,21 @@ def main(argv=None):
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
+        for group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
+            group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
                            f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
                            f"in {ckpt_dir} is intact")
-        lr_used = optimizer.param_groups[0]["lr"]  # this step's rate; the scheduler now sets the next one's
-        scheduler.step()
         dist.sync_rollout(model, rollout)
         t_train = time.time()
 
         # ---- 6. log, save, evaluate
         metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
-        metrics["optim/lr"] = lr_used
+        metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
         metrics.update({"reward/groups_refilled": refilled, "reward/refill_rounds": rounds})
         log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))

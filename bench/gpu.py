@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))
 import kernels  # noqa: E402
 from common.batch import Batch, completion_logprobs, pack_inputs  # noqa: E402
 from common.model import ModelConfig, Transformer  # noqa: E402
+from common.optim import adamw  # noqa: E402
 from common.sampler import generate  # noqa: E402
 
 # Qwen2.5-0.5B and -1.5B (Hugging Face config.json fields): random weights of these shapes stand in for the real
@@ -436,7 +437,7 @@ def train_one(p, dev, s, size, checkpointing, rate):
     reset_peak(dev)
     model = random_model(cfg, dev, torch.float32).train()  # fp32 master weights, as grpo.py keeps them
     model.gradient_checkpointing = checkpointing
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99), fused=True)  # grpo.py's
+    optimizer = adamw(model.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)  # grpo.py's
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     b = train_batch(cfg, s)
     adv = torch.randn(len(b.tokens)).sign().repeat_interleave(b.lengths)  # +-1 per completion, per token

@@ -12,10 +12,24 @@ import torch
 
 from kernels import reference
 
-try:
-    from kernels import triton_kernels
-except ImportError:  # no triton (e.g. macOS): the references do everything
-    triton_kernels = None
+# kernels.triton_kernels, imported when a CUDA tensor (or FORCE_TRITON) first asks for it: importing triton maps
+# ~0.07 x 10^9 bytes of its libraries into memory, which a CPU run never uses (its peak RSS is what it would add to).
+triton_kernels = None
+_imported = False
+
+
+def triton_module():
+    """kernels.triton_kernels, imported on the first call; None where triton is not installed (e.g. macOS): then
+    the references do everything."""
+    global triton_kernels, _imported
+    if not _imported:
+        _imported = True
+        try:
+            from kernels import triton_kernels as module
+            triton_kernels = module
+        except ImportError:
+            pass
+    return triton_kernels
 
 # Logits elements per chunk of the LM-head path: 2^25 is 128 MB in fp32, and still a large matmul. On a CPU
 # half of it: a chunk of ~340 rows x 49k vocabulary multiplies as fast, and the trainer's peak memory is lower.
@@ -24,7 +38,7 @@ CPU_CHUNK_ELEMENTS = 2 ** 24
 
 
 def use_triton(tensor):
-    if triton_kernels is None or not (tensor.is_cuda or os.environ.get("FORCE_TRITON") == "1"):
+    if not (tensor.is_cuda or os.environ.get("FORCE_TRITON") == "1") or triton_module() is None:
         return False
     if not tensor.is_cuda and not triton_kernels.INTERPRETED:
         raise RuntimeError("kernels: FORCE_TRITON=1 on CPU tensors needs TRITON_INTERPRET=1, "

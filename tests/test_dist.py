@@ -161,14 +161,22 @@ def grpo_ranks(rank, world, port, ports, argv, out_dir):
     common.verifier.score = lambda text, answer: float(len(text) % 3 == 0)  # mixed, deterministic rewards
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    import common.optim
     from common import dist
 
     grads = {}
 
-    def record(optimizer, args, kwargs):
+    def record(optimizer, args=(), kwargs=None):
         grads[run].append([dist.local(p.grad).clone() for group in optimizer.param_groups for p in group["params"]])
 
-    register_optimizer_step_pre_hook(record)
+    register_optimizer_step_pre_hook(record)  # torch.optim.AdamW: FSDP2's optimizer
+    ours = common.optim.AdamW.step  # one process and DDP
+
+    def recorded_step(optimizer):
+        record(optimizer)
+        return ours(optimizer)
+
+    common.optim.AdamW.step = recorded_step
     import grpo
 
     runs = [("one", [])] if rank == 0 else []

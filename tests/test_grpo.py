@@ -16,6 +16,7 @@ import torch
 import grpo
 from common import options
 from common.batch import Batch, trainer_logprobs
+from common.optim import AdamW
 from common.config import RunError
 from common.model import Transformer
 
@@ -271,7 +272,7 @@ def test_non_finite_gradient_skips_the_step(model, monkeypatch):
 
     monkeypatch.setattr(grpo, "policy_loss", nan_loss)
     before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = AdamW(model.parameters(), lr=1e-2)
     cfg = grpo.Config(mini_batches=2)
     stats = grpo.update(model, model, opt, b, adv, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))
     assert stats["skipped"] == 2 and stats["opt_steps"] == 0 and stats["skipped_since_last_step"] == 2
@@ -280,7 +281,7 @@ def test_non_finite_gradient_skips_the_step(model, monkeypatch):
 
 def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):
     m = Transformer.from_pretrained(tiny_model_dir)
-    opt = torch.optim.AdamW(m.parameters())
+    opt = AdamW(m.parameters(), lr=1e-3)
     ckpt = tmp_path / "checkpoint"
     cfg = grpo.Config(model=str(tiny_model_dir))
     grpo.save(m, opt, ckpt, 1, cfg)

@@ -32,7 +32,7 @@ def _reimport_interpreted():
     from kernels import ops, reference
 
 
-if not CUDA and ops.triton_kernels is not None and not ops.triton_kernels.INTERPRETED:
+if not CUDA and ops.triton_module() is not None and not ops.triton_module().INTERPRETED:
     _reimport_interpreted()
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -49,7 +49,7 @@ def backend(request, monkeypatch):
     """The module whose ops are tested: kernels (through Triton) or kernels.reference."""
     if request.param == "reference":
         return reference
-    if ops.triton_kernels is None:
+    if ops.triton_module() is None:
         pytest.skip("triton is not installed")
     monkeypatch.setenv("FORCE_TRITON", "1")
     assert ops.use_triton(torch.zeros(1, device=DEVICE))
@@ -557,7 +557,7 @@ def test_import_without_triton_falls_back_to_references():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, kernels\n"
             "logp, entropy = kernels.logprobs_entropy(torch.randn(3, 7), torch.tensor([0, 1, 6]))\n"
-            "assert kernels.ops.triton_kernels is None and logp.shape == (3,)\n")
+            "assert kernels.ops.triton_module() is None and logp.shape == (3,)\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -588,7 +588,7 @@ for kernel, signature, constexprs in jobs:
 """
 
 
-@pytest.mark.skipif(ops.triton_kernels is None, reason="triton is not installed")
+@pytest.mark.skipif(ops.triton_module() is None, reason="triton is not installed")
 def test_kernels_compile_for_a_gpu():
     """The interpreter accepts some code that the compiler rejects: compile every kernel for sm_90
     (no GPU needed, only triton's bundled toolchain), outside the interpreter."""
