@@ -119,19 +119,21 @@ def test_kv_cache_decoding_equals_full_forward(kind, tmp_path):
         torch.testing.assert_close(torch.cat(steps, 1)[0], m(ids[:1])[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU cases run here)"))])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_gradient_checkpointing_same_gradients(tmp_path, autocast):
+def test_gradient_checkpointing_same_gradients(tmp_path, autocast, device):
     """Recomputed blocks give the gradients of stored activations; under bf16 autocast too, with the backward run
     outside the autocast context (the recompute must restore the forward's, or it would run in fp32)."""
     from conftest import make_hf_model
 
     make_hf_model("llama-gqa").save_pretrained(tmp_path)
-    ids = torch.randint(0, 256, (2, 10))
+    ids = torch.randint(0, 256, (2, 10), device=device)
     grads = []
     for ckpt in (False, True):
-        m = Transformer.from_pretrained(tmp_path).train()
+        m = Transformer.from_pretrained(tmp_path, device=device).train()
         m.gradient_checkpointing = ckpt
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = m(ids).float().logsumexp(-1).mean()
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))

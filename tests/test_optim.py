@@ -16,16 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
 
 
-def params(seed=0):
+# CUDA too where there is a GPU: a GPU run's trainer calls the same kernel's CUDA build
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU (the CPU case runs here)"))]
+
+
+def params(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(6, 5, generator=g).requires_grad_(), torch.randn(7, generator=g).requires_grad_(),
-            torch.randn(3, 3, generator=g).requires_grad_()]
+    return [torch.randn(6, 5, generator=g).to(device).requires_grad_(),
+            torch.randn(7, generator=g).to(device).requires_grad_(),
+            torch.randn(3, 3, generator=g).to(device).requires_grad_()]
 
 
 def grads(t, ps):
     """Step t's gradients; the last parameter has none at odd steps (left alone, its step count stays)."""
     g = torch.Generator().manual_seed(100 + t)
-    return [None if (i == len(ps) - 1 and t % 2) else torch.randn(p.shape, generator=g) for i, p in enumerate(ps)]
+    return [None if (i == len(ps) - 1 and t % 2) else torch.randn(p.shape, generator=g).to(p.device)
+            for i, p in enumerate(ps)]
 
 
 def run(opt, ps, steps, start=0):
@@ -36,13 +43,14 @@ def run(opt, ps, steps, start=0):
         opt.zero_grad()
 
 
-def test_adamw_is_torch_fused_adamw_bit_for_bit():
-    ours, theirs = params(), params()
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_is_torch_fused_adamw_bit_for_bit(device):
+    ours, theirs = params(device=device), params(device=device)
     run(AdamW(ours, **HYPER), ours, 6)
     run(torch.optim.AdamW(theirs, fused=True, **HYPER), theirs, 6)
     for p, q in zip(ours, theirs):
         assert torch.equal(p, q)
-    assert not torch.equal(ours[0], params()[0])  # it did move
+    assert not torch.equal(ours[0], params(device=device)[0])  # it did move
 
 
 def test_adamw_matches_the_plain_reference():
