@@ -68,7 +68,7 @@ class Config:
     # run
     run_name: str = ""  # writes runs/<run-name>/; empty = xrpo-<date-time>
     resume: bool = False  # continue runs/<run-name>/ from its last checkpoint
-    seed: int = 0  # seeds data order, sampling and init; same seed on CPU = same run
+    seed: int = 0  # seeds data order, sampling and init; same seed on the same CPU = same run
     device: str = "auto"  # auto (cuda if available), cpu or cuda
     dtype: str = "auto"  # matmul dtype: auto (bf16 on GPUs and CPUs with bf16 units, else float32), float32, bfloat16
     # model and data
