@@ -329,9 +329,10 @@ def _embedding(n: int, d: int) -> nn.Embedding:
 class _Recompute(torch.autograd.Function):
     """Activation checkpointing of one block in one process: the forward keeps only the block's input, the backward
     runs the block again with autograd on and back-propagates through it (the reentrant form of
-    torch.utils.checkpoint, same gradients; like it, for loss.backward(), not torch.autograd.grad). Ours because torch's imports torch._dynamo on its first call, and with it
-    triton where installed: ~0.15 x 10^9 bytes of a CPU run's resident memory for nothing. Under torch.distributed the
-    model calls torch's (non-reentrant), the form whose interplay with DDP's and FSDP2's hooks torch tests."""
+    torch.utils.checkpoint, same gradients; like it, for loss.backward(), not torch.autograd.grad). Ours because
+    torch's imports torch._dynamo on its first call, and with it triton where installed: ~0.15 x 10^9 bytes of a CPU
+    run's resident memory for nothing. Under torch.distributed the model calls torch's (non-reentrant), the form
+    whose interplay with DDP's and FSDP2's hooks torch tests."""
 
     @staticmethod
     def forward(ctx, block, x, *args):  # runs without autograd, as a Function's forward does

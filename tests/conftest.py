@@ -10,6 +10,11 @@ if not shutil.which("nvidia-smi"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# A test parametrised over DEVICES runs on the CPU everywhere and on CUDA where there is a GPU (CI has none: skipped
+# there with the reason; the GPU path is what a GPU run of the trainer and sampler takes)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU (the CPU case runs here)"))]
+
 # One tiny config per architectural switch we support.
 TINY = {
     "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from common.model import ModelError, Transformer
+from conftest import DEVICES
 
 
 def hf_logits(model, ids, mask=None):
@@ -119,8 +120,7 @@ def test_kv_cache_decoding_equals_full_forward(kind, tmp_path):
         torch.testing.assert_close(torch.cat(steps, 1)[0], m(ids[:1])[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU cases run here)"))])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("autocast", [False, True])
 def test_gradient_checkpointing_same_gradients(tmp_path, autocast, device):
     """Recomputed blocks give the gradients of stored activations; under bf16 autocast too, with the backward run

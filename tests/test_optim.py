@@ -11,14 +11,10 @@ import pytest
 import torch
 
 from common.optim import AdamW, adamw, adamw_reference
+from conftest import DEVICES  # CUDA too where there is a GPU: a GPU run's trainer calls the kernel's CUDA build
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
-
-
-# CUDA too where there is a GPU: a GPU run's trainer calls the same kernel's CUDA build
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA GPU (the CPU case runs here)"))]
 
 
 def params(seed=0, device="cpu"):
