@@ -1,5 +1,6 @@
 """An algorithm file's default run as a benchmark: accuracy before -> after, wall time, where a step's time goes,
-peak memory, and the work done (training FLOPs, sampled tokens), for one or several seeds.
+peak memory, and the work done (training FLOPs, sampled tokens), for one or several seeds; beside grpo.py's run of
+the seed, each file's time per sampled and per trained token, and its steps' time at grpo.py's token counts.
 
     python bench/default_run.py                       # `python grpo.py` (the defaults), seed 0, and its table
     python bench/default_run.py --seeds 0 1 2         # one run per seed, one after the other
@@ -97,7 +98,8 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
     out = {"run": str(run), "acc_before": evals[0]["eval/greedy_acc"], "acc_after": evals[-1]["eval/greedy_acc"],
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps),
            "step_split": {part: mean(f"perf/{part}_s") for part in ("sample", "score", "train")}, "gflops": gflops,
-           "train_tokens": total("perf/train_fwd_tokens"), "sampled_tokens": total("perf/sampled_tokens")}
+           "train_tokens": total("perf/train_fwd_tokens"), "sampled_tokens": total("perf/sampled_tokens"),
+           "phase_s": {part: total(f"perf/{part}_s") for part in ("sample", "score", "train")}}
     print(f"\nrun {run}" + (f"  (CPU flags: {flags})" if flags else ""))
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
@@ -210,6 +212,7 @@ def overview(results: list, machine: str):
               f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {adjusted} | {split} | "
               f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {with_ratio(seed, r, 'train_tokens')} | "
               f"{with_ratio(seed, r, 'sampled_tokens')} | {rate} |")
+    work_table(results, grpo_runs)
     print("\n| algorithm | runs | gain, mean ± std (points) | wall / grpo, mean | at grpo's matmul rate, mean |\n"
           "|---|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
@@ -220,6 +223,32 @@ def overview(results: list, machine: str):
             xs = [x for x in (fn(s, r) for a, s, r in results if a == algo) if x is not None]
             means.append(two(statistics.fmean(xs) if xs else None))
         print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {means[0]} | {means[1]} |")
+
+
+def work_table(results: list, grpo_runs: dict):
+    """Time per unit of work beside grpo.py's run of the seed: a file whose mechanism makes more of the batch
+    trainable, or samples more, takes longer at the same rates. Sampling per sampled token, training per token
+    through the training forward, the scoring phase per step; then the steps' time had the run done grpo.py's work
+    at its own rates (its per-token sampling and training times times grpo.py's token counts, plus its scoring),
+    over grpo.py's steps' time. Runs that logged no phase times get no row."""
+    rows = []
+    for algo, seed, r in results:
+        base, ph = grpo_runs.get(seed), r.get("phase_s")
+        if not (base and ph and base.get("phase_s") and r["sampled_tokens"] and r["train_tokens"]):
+            continue
+        rate = lambda x, part, key: x["phase_s"][part] / x[key] if x[key] else None  # noqa: E731  s per token
+        s, t = rate(r, "sample", "sampled_tokens"), rate(r, "train", "train_tokens")
+        s0, t0 = rate(base, "sample", "sampled_tokens"), rate(base, "train", "train_tokens")
+        if not (s0 and t0):
+            continue
+        at_grpo_work = s * base["sampled_tokens"] + ph["score"] + t * base["train_tokens"]
+        rows.append(f"| {algo} | {seed} | {1e3 * s:.1f} ({s / s0:.2f}) | {ph['score'] / r['steps']:.1f} | "
+                    f"{1e3 * t:.1f} ({t / t0:.2f}) | {at_grpo_work / sum(base['phase_s'].values()):.2f} |")
+    if rows:
+        print("\n| algorithm | seed | sampling, ms per sampled token (x grpo) | scoring, s a step "
+              "| training, ms per trained token (x grpo) | steps' time at grpo.py's token counts / grpo's |\n"
+              "|---|---|---|---|---|---|")
+        print("\n".join(rows))
 
 
 def mean_rate(r: dict) -> float | None:

@@ -168,3 +168,25 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
             if line.startswith("| ") and " | 0 | " in line}
     assert rows["xrpo"][5:7] == ["1.50", "1.00"]  # 600 / 400, times 200 / 300
     assert rows["extra"][5:7] == ["1.20", "-"] and rows["grpo"][5:7] == ["1.00", "1.00"]
+
+
+def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
+    """Time per unit of work: a file that samples at 2x grpo.py's cost per token and trains at 1.1x, with 10 s of
+    scoring, would take (0.2 x 1000 + 10 + 0.11 x 2000) / 300 = 1.43x grpo.py's steps at grpo.py's token counts,
+    however many tokens it sampled and trained itself. A run that logged no phase times gets no row."""
+    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
+    default_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default_run)
+
+    def run(sample, score, train, sampled, trained, phases=True):
+        r = {"wall_s": 500.0, "gflops": None, "acc_before": 0.25, "acc_after": 0.4, "peak_rss_gb": 2.5, "steps": 15,
+             "step_split": {"sample": sample / 15, "score": score / 15, "train": train / 15},
+             "train_tokens": trained, "sampled_tokens": sampled}
+        return {**r, "phase_s": {"sample": sample, "score": score, "train": train}} if phases else r
+    default_run.overview([("grpo", 0, run(100.0, 0.0, 200.0, 1000, 2000)),
+                          ("xrpo", 0, run(300.0, 10.0, 330.0, 1500, 3000)),
+                          ("extra", 0, run(100.0, 0.0, 100.0, 1000, 1000, phases=False))], "CPU flags: test")
+    out = capsys.readouterr().out
+    work = out[out.index("| sampling, ms per sampled token"):].split("\n\n")[0].splitlines()[2:]
+    assert work == ["| grpo | 0 | 100.0 (1.00) | 0.0 | 100.0 (1.00) | 1.00 |",
+                    "| xrpo | 0 | 200.0 (2.00) | 0.7 | 110.0 (1.10) | 1.43 |"], work
