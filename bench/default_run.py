@@ -231,18 +231,19 @@ def work_table(results: list, grpo_runs: dict):
     through the training forward, the scoring phase per step; then the steps' time had the run done grpo.py's work
     at its own rates (its per-token sampling and training times times grpo.py's token counts, plus its scoring),
     over grpo.py's steps' time. Runs that logged no phase times get no row."""
+    def per_token(x, part, key):  # seconds of a phase per token it handled; None without either
+        return x["phase_s"][part] / x[key] if x.get("phase_s") and x.get(key) else None
+
     rows = []
     for algo, seed, r in results:
-        base, ph = grpo_runs.get(seed), r.get("phase_s")
-        if not (base and ph and base.get("phase_s") and r["sampled_tokens"] and r["train_tokens"]):
+        base = grpo_runs.get(seed, {})
+        s, t = per_token(r, "sample", "sampled_tokens"), per_token(r, "train", "train_tokens")
+        s0, t0 = per_token(base, "sample", "sampled_tokens"), per_token(base, "train", "train_tokens")
+        if not (s and t and s0 and t0):
             continue
-        rate = lambda x, part, key: x["phase_s"][part] / x[key] if x[key] else None  # noqa: E731  s per token
-        s, t = rate(r, "sample", "sampled_tokens"), rate(r, "train", "train_tokens")
-        s0, t0 = rate(base, "sample", "sampled_tokens"), rate(base, "train", "train_tokens")
-        if not (s0 and t0):
-            continue
-        at_grpo_work = s * base["sampled_tokens"] + ph["score"] + t * base["train_tokens"]
-        rows.append(f"| {algo} | {seed} | {1e3 * s:.1f} ({s / s0:.2f}) | {ph['score'] / r['steps']:.1f} | "
+        score = r["phase_s"]["score"]
+        at_grpo_work = s * base["sampled_tokens"] + score + t * base["train_tokens"]
+        rows.append(f"| {algo} | {seed} | {1e3 * s:.1f} ({s / s0:.2f}) | {score / r['steps']:.1f} | "
                     f"{1e3 * t:.1f} ({t / t0:.2f}) | {at_grpo_work / sum(base['phase_s'].values()):.2f} |")
     if rows:
         print("\n| algorithm | seed | sampling, ms per sampled token (x grpo) | scoring, s a step "
