@@ -3,12 +3,15 @@ mechanism acted in a default run (docs/benchmarks.md, the README's last column).
 
     python bench/mechanisms.py runs/bench-*                                  # runs of bench/default_run.py
     python bench/mechanisms.py bench/results/cpu-2026-11-27-all/bench-*
+    python bench/mechanisms.py bench/results/compare-h100-2026-11-27/cmp-*    # runs of bench/compare.py
 
 Counts summed over a run's steps (a prompt seeded at two steps counts twice); grpo.py's runs have no line.
 """
 import json
 import sys
 from pathlib import Path
+
+ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 
 
 def mechanism(algo: str, steps: list) -> str | None:
@@ -41,7 +44,9 @@ def main():
     for run in runs:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         steps = [r for r in rows if "perf/step_s" in r]
-        line = mechanism(run.name.split("-")[1] if run.name.startswith("bench-") else run.name, steps)
+        # bench-<algo>-s<seed>-... (bench/default_run.py) or <prefix>-<algo>-s<seed> (bench/compare.py)
+        algo = next((part for part in run.name.split("-") if part in ALGOS), None)
+        line = mechanism(algo, steps) if algo else None
         if line:
             print(f"{run.name}: {line}")
 

@@ -131,10 +131,12 @@ def test_mechanisms_sums_each_files_own_metrics(tmp_path):
              "grpo": [{}, {}]}
     for algo, rows in steps.items():
         run = tmp_path / f"bench-{algo}-s0-1"
+        (tmp_path / f"cmp-{algo}-s3").mkdir()  # bench/compare.py's name for the same run
         run.mkdir()
         lines = [{"step": 0, "eval/greedy_acc": 0.2}]
         lines += [{"step": i + 1, "perf/step_s": 1.0, **r} for i, r in enumerate(rows)]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        for folder in (run, tmp_path / f"cmp-{algo}-s3"):
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     folders = sorted(map(str, tmp_path.glob("bench-*")))
     r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), *folders], capture_output=True,
                        text=True, timeout=60)
@@ -147,6 +149,10 @@ def test_mechanisms_sums_each_files_own_metrics(tmp_path):
                             "1 guided prompts (a prompt and a stored prefix)",
         "bench-xrpo-s0-1": "4-12 rollouts a prompt; 4 prompts seeded with exemplars (18 rollouts); novelty bonus on 2 "
                            "correct rollouts"}, out
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), *sorted(map(str, tmp_path.glob("cmp-*")))],
+                       capture_output=True, text=True, timeout=60)
+    assert dict(line.split(": ", 1) for line in r.stdout.splitlines()) == {
+        k.replace("bench-", "cmp-").replace("-s0-1", "-s3"): v for k, v in out.items()}, r.stdout
     r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr
