@@ -1,9 +1,9 @@
 """The five algorithms compared where their mechanisms have room to act, paired by seed, with a verdict per claim.
 
     python bench/compare.py                                   # 5 algorithms x 5 seeds x 15 steps (2 CPU cores: ~6 h)
-    python bench/compare.py --device cuda --jobs 20 --save-every 15 --eval-samples 16   # one GPU (H200: 10.7 min)
+    python bench/compare.py --device cuda --jobs 16 --save-every 15 --eval-samples 16   # one GPU (H100: 11.5 min)
     python bench/compare.py --algos grpo,xrpo --seeds 0,1 --steps 5                      # a narrower comparison
-    python bench/compare.py --report-only --runs-dir bench/results/compare-h200-2026-11-26 --eval-samples 16
+    python bench/compare.py --report-only --runs-dir bench/results/compare-h100-2026-11-27 --eval-samples 16
 
 The setting (docs/comparison.md says why): SmolLM2-135M-Instruct on the generated arithmetic task (levels 1-3), whose
 start model solves none of 8 samples of most of its questions within the 48-token budget, trained from a pool of 64
