@@ -107,8 +107,8 @@ class Config:
     icl_max_len: int = 1024
     icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent (our choice: the paper never prunes)
     # C_init (Alg. 1, §4.2): training problems the base model samples n_base times before step 1, its correct answers
-    # seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training and
-    # changes only step 1, since step 1's own correct rollouts fill the corpus for step 2 on
+    # seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training (its
+    # solutions stay in the corpus, and matter most at step 1, before the run's own correct rollouts join them)
     icl_init: int = 0
     # novelty-guided advantage sharpening (XRPO §3.3, eq. 6); --nov-lambda 0 is the "w/o AS" ablation (Table 5)
     nov_lambda: float = 2.5  # λ_nov: bonus strength (§4.1); 0 = off
@@ -605,8 +605,9 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
 
 def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corpus) -> dict:
     """The evidence that XRPO's mechanisms act: uneven allocation, ICL use and success, bonuses, corpus size.
-    per_prompt [B]: rollouts of each prompt; group, icl, correct [N]: all rollouts; kept_correct, bonus: those trained
-    on (dynamic sampling may drop groups). Counts here are summed over ranks; xrpo_rates turns them into rates."""
+    per_prompt: rollouts of each prompt of every rank; group, icl, correct [N]: this rank's rollouts; kept_correct,
+    bonus: those trained on (dynamic sampling may drop groups). Counts here are summed over ranks; xrpo_rates turns
+    them into rates."""
     n, B = torch.tensor(per_prompt, dtype=torch.float), len(per_prompt)
     seeded, solved = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
     seeded[group[icl]] = True
@@ -968,7 +969,9 @@ def main(argv=None):
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
-        metrics.update(xrpo_metrics(per_prompt, cfg, b_all.group, icl, correct_all, correct[keep], bonus, corpus))
+        # the allocation's statistics over every rank's prompts (a mean of per-rank minima would not be the minimum)
+        metrics.update(xrpo_metrics(dist.all_gather_list(per_prompt), cfg, b_all.group, icl, correct_all, correct[keep],
+                                    bonus, corpus))
         metrics = dist.reduce_metrics(metrics, sums=METRIC_SUMS + XRPO_SUMS, maxes=METRIC_MAXES + XRPO_MAXES)
         log.log(step, {**metrics, **xrpo_rates(metrics)})
         if step % cfg.save_every == 0 or step == cfg.steps:

@@ -40,7 +40,9 @@ def setup(device: str = "auto") -> torch.device:
     """Join the process group when started by torchrun; return this rank's device."""
     device = resolve_device(device)
     if "RANK" in os.environ and not is_distributed():
-        td.init_process_group("nccl" if device == "cuda" else "gloo")
+        # on GPUs NCCL carries the CUDA tensors (gradients, weights) and gloo the CPU ones (loss normalisers,
+        # metrics): NCCL alone refuses CPU tensors
+        td.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         if local >= torch.cuda.device_count():
@@ -74,6 +76,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
         td.all_reduce(x)
     return x
+
+
+def all_gather_list(items: list) -> list:
+    """Every rank's list, concatenated in rank order; the list itself in one process."""
+    if not is_distributed():
+        return items
+    parts = [None] * world()
+    td.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
 
 
 def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:

@@ -239,6 +239,39 @@ def test_more_ranks_than_gpus_is_one_line_error(monkeypatch):
         common_dist.setup("cuda")
 
 
+def test_gpu_ranks_reduce_cpu_tensors_too(monkeypatch):
+    """Under torchrun on GPUs the process group has gloo beside NCCL: the loss normalisers and the metrics are CPU
+    tensors, which NCCL alone refuses (the first all_reduce of a multi-GPU run would fail)."""
+    from common import dist as common_dist
+
+    backends = []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(common_dist, "is_distributed", lambda: False)
+    monkeypatch.setattr(common_dist.td, "init_process_group", lambda backend: backends.append(backend))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    common_dist.setup("cuda")
+    common_dist.setup("cpu")
+    assert backends == ["cpu:gloo,cuda:nccl", "gloo"]
+
+
+def gather_ranks(rank, world, port, out):
+    join(rank, world, port)
+    from common import dist as common_dist
+
+    common_dist.setup("cpu")
+    gathered = common_dist.all_gather_list([rank * 10 + i for i in range(rank + 1)])  # ranks hold different lengths
+    torch.save(gathered, out / f"gathered{rank}.pt")
+    common_dist.cleanup()
+
+
+def test_all_gather_list_concatenates_in_rank_order(tmp_path):
+    """Each rank sees every rank's items, rank 0's first (XRPO's allocation statistics over the whole batch)."""
+    mp.spawn(gather_ranks, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    assert [torch.load(tmp_path / f"gathered{r}.pt") for r in range(2)] == [[0, 10, 11]] * 2
+
+
 def test_cleanup_waits_for_every_rank_before_leaving(monkeypatch):
     """dist.cleanup() passes a barrier before it destroys the process group. Without it, a rank with nothing
     left to do began shutting Python down while a gloo worker thread was still releasing a finished
