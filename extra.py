@@ -14,8 +14,10 @@ advantage after the group normalisation, so all-correct groups still get a signa
 rollout is cut at line breaks; each prefix is scored by its mean token entropy (MTE, low = promising), smoothed
 over similar stored prefixes; prompt ++ the best prefix is queued and rolled out later as its own group, so the
 policy practises finishing from a promising partial solution. The prefix is context: it gets no loss.
-The host: grpo.py with its defaults, plus ExTra's dual clip (c = 10) in token_loss. The paper's recipe also has a k3
-KL of 0.001 to the initial model (--kl-coef 0.001); not a default, so that the comparison with grpo.py is on equal terms.
+The host: grpo.py with its defaults, plus ExTra's dual clip (c = 10) in token_loss (like the PPO clip, it acts only
+off-policy: with --mini-batches or --epochs above 1, as the recipe's 2 mini-batches; at the defaults every ratio is 1).
+The paper's recipe also has a k3 KL of 0.001 to the initial model (--kl-coef 0.001); not a default, so that the
+comparison with grpo.py is on equal terms.
 
 Left out: the paper embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the initial policy, frozen,
 stands in for it (mean-pooled final hidden states, centred on the mean embedding of the training problem statements;
@@ -526,6 +528,15 @@ def bonus_before_norm(rewards, correct, d, alpha, var_ema, lam):
     return rewards + alpha * d * math.exp(-lam * var_ema) * (correct > 0)
 
 
+def zero_advantage_groups(rewards, correct, d, group, n_groups: int, mode: str) -> torch.Tensor:
+    """[n_groups] bool: the groups whose advantages are all 0, which DAPO's dynamic sampling drops: equal rewards,
+    and with Option B ("after") no correct member paid a bonus (an all-correct group's only signal is α·d)."""
+    zero = ~varied_groups(rewards, group, n_groups)
+    if mode == "after":
+        zero[group[(d > 0) & (correct > 0)]] = False
+    return zero
+
+
 def update_var_ema(ema: dict, key, rewards: torch.Tensor, weight: float = 0.1) -> float:
     """v̄_x ← (1 - w) v̄_x + w Var(r_x) (population variance), starting at the first value; returns v̄_x."""
     v = rewards.var(unbiased=False).item()
@@ -657,12 +668,15 @@ def regenerate(state: dict, hard_rows: list, embed_fn, nl_ids: set, cfg) -> tupl
 
 
 def novelty_rewards(rewards, correct, d, group, keys, var_ema: dict, cfg) -> torch.Tensor:
-    """Option A over the step: each group's rewards [N] with its bonus, after updating its prompt's v̄."""
+    """Option A over the step: each group's rewards [N] with its bonus, after updating its prompt's v̄.
+    The official code's rewards are ±1 (its math_dapo.py: 1.0 if correct else -1.0), ours 0/1: on its scale the
+    bonus joins 2r - 1, and 2r - 1 + α·d̂ = 2(r + α·d̂/2) - 1, so ours adds α/2, with v̄ the variance of the ±1
+    rewards (4 Var(r)). The group-normalised advantages are then the official code's."""
     out = rewards.clone()
     for g, key in enumerate(keys):
         rows = group == g
-        v = update_var_ema(var_ema, key, rewards[rows])
-        out[rows] = bonus_before_norm(rewards[rows], correct[rows], d[rows], cfg.alpha, v, cfg.novelty_lambda)
+        v = update_var_ema(var_ema, key, 2 * rewards[rows] - 1)
+        out[rows] = bonus_before_norm(rewards[rows], correct[rows], d[rows], cfg.alpha / 2, v, cfg.novelty_lambda)
     return out
 
 
@@ -786,8 +800,8 @@ def main(argv=None):
         regen_on = cfg.regen and step > cfg.regen_warmup
         contexts, answers, guided, extra_state["queue"] = inject(
             contexts, [p.answer for p in problems], extra_state["queue"], cfg.regen_rows if regen_on else 0)
-        # ExTra §3.2 cuts at low-entropy points at T = 1: the sampler records those entropies alongside (our choice:
-        # from the rollout itself, π_θold's distribution at each token, instead of a second pass over the rollouts)
+        # ExTra §3.2 scores rollouts and prefixes by their mean token entropy at T = 1: the sampler records those
+        # entropies (our choice: from the rollout itself, π_θold's distribution at each token, not a second pass)
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank(),
@@ -809,7 +823,8 @@ def main(argv=None):
                 rewards = novelty_rewards(rewards, correct, d, b.group, keys, extra_state["var_ema"], cfg)
         n_groups = int(b.group.max()) + 1
         zero_var = ~varied_groups(rewards, b.group, n_groups)  # [groups]
-        keep = ~zero_var[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        zero_adv = zero_advantage_groups(rewards, correct, d, b.group, n_groups, cfg.novelty_mode)  # ExTra: not zero_var
+        keep = ~zero_adv[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
 
@@ -820,7 +835,7 @@ def main(argv=None):
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         if ref_model is not None:
             ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
-        # ExTra §3.2: the hard prompts' most confident rollouts, cut into prefixes at low-entropy points
+        # ExTra §3.2: the hard prompts' most confident rollouts (lowest mean entropy), cut into prefixes at line breaks
         hard = is_hard(correct.view(B, G))  # [B]
         items, stored = [], 0
         if regen_on and hard.any():
@@ -858,7 +873,7 @@ def main(argv=None):
         t_train = time.time()
 
         # ---- 6. log, save, evaluate
-        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_var.sum().item()
+        metrics = step_metrics(b_all, correct_all, rewards_all, n_groups, zero_var.sum().item(), zero_adv.sum().item()
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()

@@ -118,6 +118,40 @@ def test_option_a_bonus_before_norm():
     assert torch.allclose(out, rewards + 0.5 * torch.tensor([0.25, 0.5, 0.0]) * math.exp(-v))
 
 
+def test_option_a_on_the_official_reward_scale():
+    """Option A over a step equals the official code's on ±1 rewards: the same group-normalised advantages, and the
+    variance EMA of the ±1 rewards. Catches the bonus added at full α to 0/1 rewards (twice the official code's
+    weight against the right/wrong gap) or a damping from the 0/1 variance."""
+    cfg = extra.Config(novelty_mode="before", alpha=0.3, novelty_lambda=2.0)
+    correct = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    d = torch.tensor([0.3, 0.1, 0.2, 0.4, 0.05, 0.6, 0.0, 0.2])
+    group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    ours_ema, theirs_ema = {"p1": 0.5}, {"p1": 0.5}
+    ours = extra.group_advantages(extra.novelty_rewards(correct, correct, d, group, ["p0", "p1"], ours_ema, cfg),
+                                  group, "std")
+    signed, theirs = 2 * correct - 1, []
+    for g, key in enumerate(["p0", "p1"]):  # the official form: ±1 rewards, α·d̂·exp(-λ v̄) on the correct ones
+        rows = group == g
+        v = extra.update_var_ema(theirs_ema, key, signed[rows])
+        theirs.append(signed[rows] + cfg.alpha * d[rows] / d[rows].max() * math.exp(-cfg.novelty_lambda * v)
+                      * (correct[rows] > 0))
+    theirs = extra.group_advantages(torch.cat(theirs), group, "std")
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+    assert ours_ema == theirs_ema and abs(ours_ema["p0"] - 4 * correct[:4].var(unbiased=False).item()) < 1e-7
+
+
+def test_dynamic_sampling_keeps_groups_the_bonus_pays():
+    """With Option B an all-correct group with a paid bonus has non-zero advantages: DAPO's dynamic sampling must
+    keep it (its rewards are all equal). An all-correct group without a bonus, an all-wrong group, and under Option A
+    (whose bonus is in the rewards already) only the rewards decide."""
+    group = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    correct = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    d = torch.tensor([0.2, 0.0, 0.0, 0.0, 0.5, 0.5, 0.1, 0.1])  # group 0 paid; 1 not; 2 novel but wrong; 3 varied
+    zero = extra.zero_advantage_groups(correct, correct, d, group, 4, "after")
+    assert zero.tolist() == [False, True, True, False]
+    assert extra.zero_advantage_groups(correct, correct, d, group, 4, "before").tolist() == [True, True, True, False]
+
+
 def test_novelty_warmup_history_duplicates_and_self():  # property 4
     g = torch.Generator().manual_seed(1)
     n, H = 4, 6
