@@ -143,7 +143,7 @@ class Config:
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
 RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
 # and EAPO's experience: the prior and the schedule that takes its tokens
-EAPO_FIXED = ("prior", "lam0", "anneal_steps", "schedule")
+EAPO_FIXED = ("prior", "lam0", "anneal_steps", "schedule", "augmented", "tau", "tau_quantile")
 
 
 def validate(cfg: Config):
@@ -487,6 +487,10 @@ def eapo_metrics(lam, tau, groups, aug, correct, x, omega) -> dict:
     return m
 
 
+EAPO_SUMS = ("eapo/prior_tokens",)  # like perf/sampled_tokens, which it is read against
+EAPO_MAXES = ("eapo/omega_max",)
+
+
 # -------------------------------------------------------------------------------------------- loss
 
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
@@ -823,7 +827,7 @@ def main(argv=None):
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
         metrics.update(eapo_metrics(lam, tau, groups, aug_all, correct_all, x, omega))
-        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS, maxes=METRIC_MAXES))
+        log.log(step, dist.reduce_metrics(metrics, sums=METRIC_SUMS + EAPO_SUMS, maxes=METRIC_MAXES + EAPO_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:
             save(model, optimizer, ckpt_dir, step, cfg, extra={"eapo": {"tau": tau}})
         if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)

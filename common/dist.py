@@ -89,17 +89,21 @@ def all_gather_list(items: list) -> list:
 
 def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
     """Combine per-rank metrics: those named in `sums` are added (totals, throughput), those in `maxes` are
-    maxed, the rest averaged over ranks."""
+    maxed, the rest averaged over ranks. A metric only some ranks log (one over tokens a rank may not have) is
+    combined over those ranks; every rank then logs the same keys (a collective over differing keys would hang)."""
     if not is_distributed():
         return metrics
-    keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    maxed = torch.tensor([float(metrics[k]) if k in maxes else float("-inf") for k in keys], dtype=torch.float64)
+    keys = sorted(set(all_gather_list(list(metrics))))
+    have = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)
+    vals = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    maxed = torch.tensor([float(metrics[k]) if k in maxes and k in metrics else float("-inf") for k in keys],
+                         dtype=torch.float64)
+    td.all_reduce(have)
     td.all_reduce(vals)
     td.all_reduce(maxed, op=td.ReduceOp.MAX)
     out = {}
     for i, k in enumerate(keys):
-        out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else world())
+        out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else have[i].item())
     return out
 
 
