@@ -10,12 +10,13 @@ successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
         --lr 1e-6 --warmup-steps 0 --decay-steps 0 --weight-decay 0.01 --adam-beta2 0.999 --steps 700 --fsdp
                                                      # the paper's setting (§5.1, App. D, Table 4)
 
-One step (ExGRPO §4, Alg. 1): once the batch accuracy has passed a threshold (the delayed start), every correct
-rollout of a partially solved question goes into the buffer with the trainer's log-probs at collection time.
+One step (ExGRPO §4, Alg. 1): once the batch accuracy has passed a threshold (the delayed start; from the next step
+on, the mixed phase), every correct rollout of a partially solved question goes into the buffer with the trainer's
+log-probs at collection time.
 Each step then fills up to ρB of its B questions from the buffer: a question is drawn by its latest success count
 k (a Gaussian preference for k = K/2), and its stored trajectory with the lowest mean token entropy under the
 current policy is replayed as one member of a group of K whose other K - 1 members are fresh samples. Fresh tokens
-get the plain ratio objective (unclipped once replay has started), replayed tokens -A f(w) with w the ratio to the
+get the plain ratio objective (unclipped in the mixed phase), replayed tokens -A f(w) with w the ratio to the
 collecting policy and f(w) = w / (w + β) (§4.2, eq. 4). Questions solved by all K rollouts are retired for good.
 The paper's host is Dr. GRPO (r - group mean, a constant normaliser) with no KL and an entropy bonus of 0.001
 (§3.1, App. D); here the host is grpo.py's defaults, so that the two files compare on equal terms.
@@ -84,7 +85,7 @@ class Config:
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std? (paper: none)
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (paper: the last)
-    eps_low: float = 0.2  # clip ratio below 1 - eps_low (fresh tokens are unclipped once replay has started)
+    eps_low: float = 0.2  # clip ratio below 1 - eps_low (fresh tokens are unclipped in the mixed phase)
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher; paper: 0.2, before replay starts)
     seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
     tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
@@ -119,7 +120,7 @@ class Config:
     # our choice (the paper never prunes): each draw scores every stored trajectory of the question under the current
     # policy, and a 64-question pool seen ~4 times stores ~8 a question, so that pass cost a step 5-10 s on a CPU
     max_stored: int = 4  # trajectories kept per question, the most recent (0 = all, the paper's)
-    # replayed tokens: -A f(w); off: the fresh tokens' ratio objective, unclipped once replay has started as the
+    # replayed tokens: -A f(w); off: the fresh tokens' ratio objective, unclipped in the mixed phase as the
     # authors' `no_reshape` is (Table 6 "w/o policy shaping")
     policy_shaping: bool = True
     shaping_beta: float = 0.1  # β of the shaping f(w) = w / (w + β) (ExGRPO §4.2; the paper's 0.1)
@@ -476,7 +477,10 @@ def with_replayed(groups: list, replay: list, replayed: list, stop_ids) -> list:
 
 def scored_rows(model, b: Batch, rows: torch.Tensor, micro_batch, temperature, pad_id, device, autocast):
     """The scoring pass over the completions where rows [N] is True: their trainer log-probs in b's flat [n_tok]
-    layout, NaN elsewhere. ExGRPO needs only the rows the buffer stores and those that replay."""
+    layout, NaN elsewhere. ExGRPO needs only the rows the buffer stores and those that replay; under torchrun every
+    row, since every rank must run the same forwards (FSDP2 gathers the weights in each one) whatever it stores."""
+    if dist.world() > 1:
+        rows = torch.ones_like(rows)
     out = torch.full((int(b.lengths.sum()),), math.nan)
     if rows.any():
         out[rows.repeat_interleave(b.lengths)] = trainer_logprobs(model, b.select(rows), micro_batch, temperature,
@@ -759,7 +763,7 @@ def main(argv=None):
     check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     device = dist.setup(cfg.device)
     validate(cfg)
-    cfg.run_name = cfg.run_name or datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
+    cfg.run_name = cfg.run_name or datetime.now().strftime("exgrpo-%Y%m%d-%H%M%S")
     run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
     ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
     check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
@@ -805,10 +809,12 @@ def main(argv=None):
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0
-    # ExGRPO's state: this rank's questions, their buffer, and whether replay has begun. our choice: a rank owns the
+    # ExGRPO's state: this rank's questions, their buffer, and whether the mixed phase has begun. our choice: a rank owns the
     # questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
     exp, stream = Experience(G, cfg.max_stored), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
-    mixed = cfg.start_acc < 0  # our choice: a negative threshold mixes from step 1 (the paper's Llama-3.1-8B base run)
+    # ρ = 0 turns ExGRPO off: no mixed phase (so no unclipped fresh tokens), no retirement: grpo.py's run exactly
+    replaying = cfg.replay_ratio > 0
+    mixed = replaying and cfg.start_acc < 0  # our choice: < 0 mixes from step 1 (the paper's Llama-3.1-8B base run)
     if state is not None:
         mine = saved[dist.rank()]
         exp.load_state_dict(mine["buffer"])
@@ -865,7 +871,7 @@ def main(argv=None):
             model, b, store | is_replay, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         tok_logps = scored_logp.split(b.lengths.tolist())
         # retire all-correct questions; collect once the delayed start has fired
-        for j, (q, group_correct, completions) in enumerate(groups):
+        for j, (q, group_correct, completions) in enumerate(groups if replaying else []):
             exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed)
         # replayed rows carry their stored log-probs π_past as 'sampler' log-probs; they were not sampled now, so the
         # sampler-trainer mismatch (and TIS) sees the trainer's own there
@@ -895,7 +901,7 @@ def main(argv=None):
         dist.sync_rollout(model, rollout)
         exp.purge()
         correct_sum, rollouts = dist.all_reduce_sum(torch.tensor([correct_all.sum().item(), len(correct_all)])).tolist()
-        was_mixed, mixed = mixed, delayed_start(mixed, correct_sum / rollouts, cfg.start_acc)  # the global batch
+        was_mixed, mixed = mixed, replaying and delayed_start(mixed, correct_sum / rollouts, cfg.start_acc)  # global
         t_train = time.time()
 
         # ---- 6. log, save, evaluate

@@ -585,7 +585,7 @@ def test_replay_off_equals_grpo_step(in_tmp, soft_model_dir, monkeypatch):
     monkeypatch.setattr(grpo, "score", parity_reward)
     common = ["--model", str(soft_model_dir), "--steps", "2", *RUN]
     grpo.main([*common, "--run-name", "grpo"])
-    # ρ = 0 in the mixed phase (collecting, fresh tokens unclipped), and replay on but before the delayed start
+    # ρ = 0 (whatever --start-acc: no mixed phase, no retirement), and replay on but before the delayed start
     exgrpo.main([*common, "--run-name", "off", "--replay-ratio", "0", "--start-acc", "-1"])
     exgrpo.main([*common, "--run-name", "early", "--start-acc", "2"])
     want = weights_of(in_tmp / "runs/grpo/checkpoint")
@@ -597,6 +597,10 @@ def test_replay_off_equals_grpo_step(in_tmp, soft_model_dir, monkeypatch):
             torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
         ours = [r["reward/acc"] for r in rows(in_tmp / f"runs/{name}/metrics.jsonl") if "reward/acc" in r]
         assert ours == [r["reward/acc"] for r in rows(in_tmp / "runs/grpo/metrics.jsonl") if "reward/acc" in r]
+    # ρ = 0 never enters the mixed phase (its fresh tokens would go unclipped, which binds with --mini-batches > 1)
+    # nor retires a question (the stream would drop it at the next epoch): grpo.py's run beyond these two steps too
+    off = [r for r in rows(in_tmp / "runs/off/metrics.jsonl") if "reward/acc" in r]
+    assert all(r["exgrpo/mixed"] == 0 and r["exgrpo/retired"] == 0 and r["exgrpo/buffer_questions"] == 0 for r in off)
 
 
 # A run cut at step 2 by a crash had taken the whole run's rates; asked for 2 steps, it would decay its own last steps
@@ -684,6 +688,26 @@ def test_bad_options_are_one_line_errors(in_tmp, bad, capsys):
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert bad[0] in err or bad[0][2:].replace("-", "_") in err
     assert not (in_tmp / "runs").exists()  # refused before anything is written
+
+
+def test_scoring_pass_covers_every_row_under_torchrun(monkeypatch):
+    """One process scores only the rows to store or replay; under torchrun every rank scores all its rows, so that
+    ranks with different rewards run the same forwards (FSDP2 gathers the weights in each: a rank that skipped the
+    pass left the others waiting forever at step 1)."""
+    from common.batch import Batch
+
+    b = Batch(context=[[1, 2]] * 3, tokens=[[3, 4], [5], [6, 7, 8]], group=torch.zeros(3, dtype=torch.long),
+              skip=torch.zeros(3, dtype=torch.long), sampler_logp=torch.zeros(6), finished=torch.ones(3, dtype=torch.bool),
+              answer=["1"] * 3)
+    seen = []
+    monkeypatch.setattr(exgrpo, "trainer_logprobs", lambda m, sub, *a: seen.append(len(sub.tokens)) or
+                        (-torch.ones(int(sub.lengths.sum())), None))
+    rows = torch.tensor([False, True, False])
+    one = exgrpo.scored_rows(None, b, rows, 8, 1.0, 0, "cpu", None)
+    assert seen == [1] and one.isnan().tolist() == [True, True, False, True, True, True]
+    monkeypatch.setattr(exgrpo.dist, "world", lambda: 2)
+    assert not exgrpo.scored_rows(None, b, torch.zeros(3, dtype=torch.bool), 8, 1.0, 0, "cpu", None).isnan().any()
+    assert seen == [1, 3]
 
 
 def test_max_stored_keeps_the_most_recent_and_scores_only_those():
