@@ -705,6 +705,15 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 # ------------------------------------------------------------------------------------------ update
 
+def update_micro_batches(trained: list, group: torch.Tensor, size: int) -> list[list]:
+    """The update's micro-batches: whole groups where they fit (common.batch.micro_batches) in one process; under
+    torchrun fixed chunks of `size`, since XRPO's groups differ in size and aligned cuts would give the ranks
+    different numbers of forwards (FSDP2 gathers the weights in each one). Where the cuts fall changes no gradient."""
+    if dist.world() == 1:
+        return micro_batches(trained, group, size)
+    return [trained[i:i + size] for i in range(0, len(trained), size)]
+
+
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
@@ -735,7 +744,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                 forking[tok_mb] = high_entropy(b.sampler_entropy[tok_mb], cfg.top_entropy)
             dist.zero_grad(optimizer, model)
             trained = [i for i in idx if active[i]]
-            micro = micro_batches(trained, b.group, cfg.micro_batch)
+            micro = update_micro_batches(trained, b.group, cfg.micro_batch)
             for j, mb in enumerate(micro):
                 w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
                 with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
