@@ -710,7 +710,8 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
 
 def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
-    lengths, seen = b.lengths.float(), max(stats["tokens"], 1)
+    # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
+    lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),

@@ -447,7 +447,7 @@ def run_summary(cfg: Config, algo: str, seed: int) -> dict:
             tok_sampled += r["perf/sampled_tokens"]
             tok_trained += r["perf/train_tok_s"] * r["perf/train_s"]  # = tokens through the loss, all epochs
             train_s += r["perf/step_s"]
-            if "policy/entropy" in r:
+            if r.get("policy/entropy") is not None:  # null on a step that trained no token
                 entropy.append((r["step"], r["policy/entropy"]))
             if "reward/varied_rollouts" in r:
                 varied.append(r["reward/varied_rollouts"])

@@ -171,11 +171,17 @@ def optimizer_state(model, optimizer) -> dict:
 
 
 def load_optimizer_state(model, optimizer, state: dict):
+    """A checkpoint's optimizer state (moments, step counts) into `optimizer`, whose hyper-parameters (learning
+    rate, betas, weight decay: this run's command line) stay as they are, as the run's saved config records them."""
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if not is_sharded(model):
-        return optimizer.load_state_dict(state)
-    # imported here: FSDP2 only, and it takes seconds to import
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        optimizer.load_state_dict(state)
+    else:
+        # imported here: FSDP2 only, and it takes seconds to import
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    for group, h in zip(optimizer.param_groups, hyper):
+        group.update(h)
 
 
 @contextmanager

@@ -701,8 +701,10 @@ def test_loop_with_the_family_options_on(tmp_path, digit_model_dir):
     for r in rows:  # a step that dropped groups refills (1 or 2 rounds), never with more than it dropped
         assert (r["reward/refill_rounds"] > 0) == (r["reward/groups_dropped"] > 0) and r["reward/refill_rounds"] <= 2
         assert r["reward/groups_refilled"] <= r["reward/groups_dropped"]
-        assert 0 <= r["policy/masked_tokens"] <= 1 and math.isfinite(r["optim/grad_norm"])
-    assert any(r["reward/groups_dropped"] > 0 for r in rows)
+        # null on a step that trained no token (every group dropped and none refilled)
+        assert r["policy/masked_tokens"] is None or 0 <= r["policy/masked_tokens"] <= 1
+        assert math.isfinite(r["optim/grad_norm"])
+    assert any(r["reward/groups_dropped"] > 0 for r in rows) and any(r["policy/masked_tokens"] is not None for r in rows)
 
 
 def test_overlong_options_in_the_loop(tmp_path, tiny_model_dir):
@@ -712,3 +714,25 @@ def test_overlong_options_in_the_loop(tmp_path, tiny_model_dir):
     row = [r for r in metrics(tmp_path, "long") if "reward/mean" in r][0]
     assert row["response/overlong_masked"] == 4 * row["response/truncated"] > 0
     assert row["reward/mean"] < 0  # the penalty: -1 for a completion cut at 6 tokens, and no right answer
+
+
+def test_policy_metrics_of_a_step_that_trained_nothing_are_null(tmp_path):
+    """A step whose groups all had equal rewards trains no token: its policy/ metrics (means over trained tokens)
+    are null in metrics.jsonl, not 0, which would read as an entropy collapse (and pull a mean over steps down)."""
+    from common.batch import Batch
+    from common.logger import MetricsLog
+
+    b = Batch(context=[[1]] * 2, tokens=[[2, 3], [4]], group=torch.zeros(2, dtype=torch.long),
+              skip=torch.zeros(2, dtype=torch.long), sampler_logp=torch.zeros(3), finished=torch.ones(2, dtype=torch.bool),
+              answer=["1"] * 2)
+    stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
+                           "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps", "skipped"], 0.0)
+    times = (0.0, 1.0, 1.0, 2.0)
+    none = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0, stats, times)
+    some = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0, {**stats, "tokens": 4.0, "entropy": 2.0}, times)
+    assert some["policy/entropy"] == 0.5
+    log = MetricsLog(tmp_path, total_steps=1)
+    log.log(1, none, console=False)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert all(row[k] is None for k in ("policy/entropy", "policy/approx_kl", "policy/clipfrac_high"))
+

@@ -123,3 +123,22 @@ def test_a_cpu_training_step_imports_neither_dynamo_nor_triton(tmp_path, tiny_mo
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "runs/r/metrics.jsonl").read_text().splitlines()]
     assert any(r.get("perf/train_fwd_tokens", 0) > 0 for r in rows)  # a forward and backward through the blocks
+
+
+def test_a_resumed_run_keeps_its_command_lines_hyper_parameters():
+    """dist.load_optimizer_state brings back the moments and step counts but not the saved betas or weight decay:
+    a run resumed with --adam-beta2 0.999 --weight-decay 0.1 trains with them (before, the checkpoint's silently
+    won while the new run's config recorded the command line's)."""
+    from common import dist
+
+    model = torch.nn.Linear(3, 2)
+    first = AdamW(model.parameters(), **HYPER)
+    model(torch.randn(4, 3)).sum().backward()
+    first.step()
+    second = AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.999), weight_decay=0.3)
+    dist.load_optimizer_state(model, second, first.state_dict())
+    group = second.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1.0, (0.5, 0.999), 0.3)
+    saved = first.state_dict()["state"][0]
+    assert all(torch.equal(second.state_dict()["state"][0][k], saved[k]) for k in saved)
+
