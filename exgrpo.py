@@ -615,9 +615,10 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
     # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
     # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one).
-    keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0 or dist.world() > 1
-    active = [(keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]  # [N]
+    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
+    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
+    active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
                            "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
                            "skipped_since_last_step"], 0.0)
@@ -734,9 +735,10 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
     }
 
 
-# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
-METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sampled_tokens", "perf/train_fwd_tokens",
-               "perf/sample_tok_s", "perf/train_tok_s", "response/overlong_masked")
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed. (optim/skipped_steps is averaged: every
+# rank skips the same steps, judged on the gradient norm after the all-reduce.)
+METRIC_SUMS = ("reward/groups_dropped", "perf/sampled_tokens", "perf/train_fwd_tokens", "perf/sample_tok_s",
+               "perf/train_tok_s", "response/overlong_masked")
 METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
 def exgrpo_metrics(exp: Experience, n, B, mixed, logp, old_logp, beta) -> dict:

@@ -147,7 +147,7 @@ class Config:
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
-    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else DDP)
+    fsdp: bool = False  # FSDP2 instead of DDP: refused under torchrun (ranks train different numbers of completions)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
     eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
@@ -189,6 +189,10 @@ def validate(cfg: Config):
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
     check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    # the allocation spreads the batch's rollouts over all prompts, so ranks hold different numbers of completions
+    # and run different numbers of forwards: DDP is fine with that, FSDP2 (a weight gather in each forward) is not
+    check(not (cfg.fsdp and dist.world() > 1), "fsdp", "off under torchrun (DDP: XRPO's ranks train different numbers "
+          "of completions, and FSDP2 needs the same forwards on every rank)")
     check(2 <= cfg.base_rollouts <= cfg.group_size, "base_rollouts", "2 ... group_size (the t-interval needs n >= 2)")
     check(cfg.rounds >= 0 and (cfg.rounds > 0 or cfg.base_rollouts == cfg.group_size), "rounds",
           "a positive number of rounds (or 0 with base_rollouts = group_size: no dynamic budget)")
@@ -705,15 +709,6 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 # ------------------------------------------------------------------------------------------ update
 
-def update_micro_batches(trained: list, group: torch.Tensor, size: int) -> list[list]:
-    """The update's micro-batches: whole groups where they fit (common.batch.micro_batches) in one process; under
-    torchrun fixed chunks of `size`, since XRPO's groups differ in size and aligned cuts would give the ranks
-    different numbers of forwards (FSDP2 gathers the weights in each one). Where the cuts fall changes no gradient."""
-    if dist.world() == 1:
-        return micro_batches(trained, group, size)
-    return [trained[i:i + size] for i in range(0, len(trained), size)]
-
-
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
     """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
@@ -726,9 +721,10 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
     # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
     # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one).
-    keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0 or dist.world() > 1
-    active = [(keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]  # [N]
+    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
+    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
+    active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
                            "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
                            "skipped_since_last_step"], 0.0)
@@ -744,7 +740,7 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                 forking[tok_mb] = high_entropy(b.sampler_entropy[tok_mb], cfg.top_entropy)
             dist.zero_grad(optimizer, model)
             trained = [i for i in idx if active[i]]
-            micro = update_micro_batches(trained, b.group, cfg.micro_batch)
+            micro = micro_batches(trained, b.group, cfg.micro_batch)
             for j, mb in enumerate(micro):
                 w = token_weights(n_train[mb], cfg.loss_agg, cfg.max_new_tokens, int(n_seqs), int(n_tokens))
                 with autocast, dist.accumulate(policy, skip_sync=j < len(micro) - 1):  # all-reduce on the last
@@ -845,9 +841,10 @@ def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats,
     }
 
 
-# Ranks' metrics are averaged, except these: totals are summed, maxima maxed.
-METRIC_SUMS = ("reward/groups_dropped", "optim/skipped_steps", "perf/sampled_tokens", "perf/train_fwd_tokens",
-               "perf/sample_tok_s", "perf/train_tok_s", "response/overlong_masked")
+# Ranks' metrics are averaged, except these: totals are summed, maxima maxed. (optim/skipped_steps is averaged: every
+# rank skips the same steps, judged on the gradient norm after the all-reduce.)
+METRIC_SUMS = ("reward/groups_dropped", "perf/sampled_tokens", "perf/train_fwd_tokens", "perf/sample_tok_s",
+               "perf/train_tok_s", "response/overlong_masked")
 METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "perf/sample_s", "perf/score_s", "perf/train_s", "perf/step_s")
 
 

@@ -736,3 +736,21 @@ def test_policy_metrics_of_a_step_that_trained_nothing_are_null(tmp_path):
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert all(row[k] is None for k in ("policy/entropy", "policy/approx_kl", "policy/clipfrac_high"))
 
+
+def test_under_torchrun_every_completion_goes_through_the_forward(model, monkeypatch):
+    """One process leaves out of the forward the completions that add nothing (advantage 0, or no loss tokens left
+    after --overlong-mask); under torchrun every rank must run the same forwards (FSDP2 gathers weights in each, and
+    a rank with none would skip DDP's all-reduce), so all go through, and the gradient stays the same."""
+    b, rewards = make_batch()
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    b.skip = torch.where(torch.arange(len(b.tokens)) < 2, b.lengths, b.skip)  # two completions without loss tokens
+    seen, real = [], grpo.completion_logprobs
+    monkeypatch.setattr(grpo, "completion_logprobs", lambda m, bb, idx, *a, **k: seen.extend(idx) or real(m, bb, idx, *a, **k))
+    _, alone = run_update(model, b, adv)
+    assert 0 not in seen and 1 not in seen
+    seen.clear()
+    monkeypatch.setattr(grpo.dist, "world", lambda: 2)  # no process group: the collectives stay local
+    _, ranked = run_update(model, b, adv)
+    assert sorted(seen) == list(range(len(b.tokens)))
+    torch.testing.assert_close(ranked[0], 2 * alone[0])  # the loss is scaled by the world size for DDP's mean
+

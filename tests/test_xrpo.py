@@ -529,15 +529,15 @@ def test_icl_init_seeds_the_corpus_before_step_1(tmp_path, monkeypatch, digit_mo
     assert sum(len(v) for v in state["extra"]["xrpo_corpus"]["solutions"].values()) > step_1
 
 
-def test_update_micro_batches_are_as_many_on_every_rank(monkeypatch):
-    """Under torchrun each rank holds as many completions but groups of other sizes: group-aligned cuts would give
-    one rank 3 forwards and another 2, and FSDP2 (a weight gather in each forward) would wait forever. One process
-    keeps the group-aligned cuts."""
-    sizes = {"rank 0": [5, 5, 6], "rank 1": [8, 8]}
-    groups = {r: torch.arange(len(s)).repeat_interleave(torch.tensor(s)) for r, s in sizes.items()}
-    one = {r: xrpo.update_micro_batches(list(range(16)), g, 8) for r, g in groups.items()}
-    assert [len(one[r]) for r in sizes] == [3, 2]  # aligned: [5], [5], [6] against [8], [8]
+def test_fsdp_under_torchrun_is_refused(monkeypatch):
+    """XRPO's allocation gives ranks different numbers of completions, so FSDP2 (a weight gather in every forward)
+    would wait forever: under torchrun --fsdp is one line naming the option; DDP and one process are fine."""
+    from common.config import ConfigError
+
     monkeypatch.setattr(xrpo.dist, "world", lambda: 2)
-    two = {r: xrpo.update_micro_batches(list(range(16)), g, 8) for r, g in groups.items()}
-    assert all(m == [list(range(8)), list(range(8, 16))] for m in two.values())
+    with pytest.raises(ConfigError, match="--fsdp: expected off under torchrun"):
+        xrpo.validate(xrpo.Config(fsdp=True))
+    xrpo.validate(xrpo.Config())
+    monkeypatch.setattr(xrpo.dist, "world", lambda: 1)
+    xrpo.validate(xrpo.Config(fsdp=True))
 
