@@ -756,6 +756,7 @@ def main(argv=None):
         problems = step_prompts(train, 1, cfg.prompts_per_step, cfg.seed)  # all of them: one τ on every rank
         with torch.no_grad(), autocast:
             tau = calibrate(rollout, [tok.prompt(format_question(p)) for p in problems], cfg, tok, cfg.seed + 17)
+        tau = dist.all_gather_list([tau])[0]  # rank 0's: GPU sampling need not be bitwise the same on every rank
 
     for step in range(start_step + 1, cfg.steps + 1):
         # ---- 1. sample: G completions for each of this rank's B prompts, from the current policy

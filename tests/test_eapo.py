@@ -465,8 +465,9 @@ def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
     scored = []
     monkeypatch.setattr(eapo, "trainer_logprobs", lambda *a, **kw: scored.append(1) or (_ for _ in ()).throw(
         AssertionError("a scoring pass ran")))
+    # an entropy bonus puts every completion through the update (the tiny model's rewards may all be equal)
     eapo.main(run_args(models, "--steps", "3", "--run-name", "s", "--prior", str(models[1]), "--tau", "0",
-                       "--anneal-steps", "2"))
+                       "--anneal-steps", "2", "--entropy-coef", "1e-3"))
     rows = rows_of("s")
     assert [rows[k]["eapo/lambda"] for k in (1, 2, 3)] == [1.0, 0.5, 0.0]
     assert rows[1]["eapo/resampled_ratio"] > 0 and rows[3]["eapo/resampled_ratio"] == 0
@@ -474,8 +475,9 @@ def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
     assert rows[1]["eapo/omega_max"] != 1.0 and not scored
     # π_RL's work: G / 4 = 2 augmented completions of each of 2 prompts, one token each; none once λ = 0
     assert rows[1]["eapo/prior_tokens"] == 4 and rows[3]["eapo/prior_tokens"] == 0
-    # 7: the first mini-batch's ratio is exactly 1 (the scoring pass's π_old is the update's own π_θ)
-    assert rows[1]["policy/approx_kl"] == 0 and rows[1]["policy/clipfrac_high"] == rows[1]["policy/clipfrac_low"] == 0
+    # 7: the first mini-batch's ratio is exactly 1 (the scoring pass's π_old is the update's own π_θ), over trained tokens
+    assert rows[1]["policy/entropy"] > 0 and rows[1]["policy/approx_kl"] == 0
+    assert rows[1]["policy/clipfrac_high"] == rows[1]["policy/clipfrac_low"] == 0
     # on a CPU each step with λ > 0 samples its augmented completions (G_e = 2 of each prompt) with π_RL, then the rest
     assert [c is not None for _, c in calls] == [True, False, True, False, False]
     (_, c1), _, (_, c2), _, _ = calls
