@@ -751,6 +751,10 @@ def main(argv=None):
             first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
         first_acc = first["eval/greedy_acc"]
         log.log(0, first)
+    elif evaluation_lost(log, start_step, cfg):  # the run stopped in the evaluation after its last checkpoint
+        with autocast:
+            last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
+        log.log(start_step, last)
     tau = cfg.tau if cfg.tau >= 0 else state["extra"]["eapo"]["tau"] if state else None
     if tau is None:  # EAPO's τ is swept per model; we calibrate it on the starting policy (a quantile)
         problems = step_prompts(train, 1, cfg.prompts_per_step, cfg.seed)  # all of them: one τ on every rank
@@ -848,6 +852,13 @@ def main(argv=None):
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
     log.close()
     dist.cleanup()
+
+
+def evaluation_lost(log, step: int, cfg) -> bool:
+    """A resumed run's checkpoint step was due an evaluation that metrics.jsonl lacks (the run stopped during it,
+    after the save): it runs again. Rank 0 holds the log; every rank follows its answer (evaluate is collective)."""
+    due = step % cfg.eval_every == 0 or step == cfg.steps
+    return due and dist.all_gather_list([step not in log.evaluated])[0]
 
 
 def save(model, optimizer, ckpt_dir, step, cfg, extra=None):

@@ -38,6 +38,7 @@ class MetricsLog:
         # time left: seconds and count of this process's training steps, when the last one ended, last eval's seconds
         self._train_s, self._trained, self._since, self._eval_s = 0.0, 0, clock(), 0.0
         self._tracker = None  # (log(values, step), close()) of the chosen tracker
+        self.evaluated: set[int] = set()  # the steps with an evaluation row, of a resumed run's kept rows
         if enabled and resume_step is not None and self.path.exists():
             self._trim(resume_step)
         if enabled and tracker != "none":
@@ -49,6 +50,8 @@ class MetricsLog:
         # a line torn by a crash in the middle of a write
         rows = [(line, _parse(line)) for line in self.path.read_text().splitlines()]
         kept = [line for line, row in rows if row is not None and row.get("step", math.inf) <= resume_step]
+        self.evaluated = {row["step"] for _, row in rows if row is not None and row.get("step", math.inf) <= resume_step
+                          and any(k.startswith("eval/") for k in row)}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)

@@ -754,3 +754,33 @@ def test_under_torchrun_every_completion_goes_through_the_forward(model, monkeyp
     assert sorted(seen) == list(range(len(b.tokens)))
     torch.testing.assert_close(ranked[0], 2 * alone[0])  # the loss is scaled by the world size for DDP's mean
 
+
+def test_a_run_stopped_in_its_last_evaluation_evaluates_again_on_resume(tmp_path, digit_model_dir, monkeypatch):
+    """The final checkpoint is written before the final evaluation; a run stopped during that evaluation and resumed
+    has no step left to train, and before this it ended without the evaluation. Now the resumed run evaluates that
+    step, with the numbers of the uninterrupted run; a step whose evaluation was logged is not evaluated again."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*digit_run(digit_model_dir, tmp_path), "--steps", "2"]
+    grpo.main([*argv, "--run-name", "whole"])
+    real, calls = grpo.evaluate, []
+
+    def stop_at_the_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("stopped")
+        return real(*a, **k)
+
+    monkeypatch.setattr(grpo, "evaluate", stop_at_the_second)
+    with pytest.raises(RuntimeError, match="stopped"):
+        grpo.main([*argv, "--run-name", "cut"])
+    assert [r["step"] for r in metrics(tmp_path, "cut") if "eval/greedy_acc" in r] == [0]
+    monkeypatch.setattr(grpo, "evaluate", real)
+    grpo.main([*argv, "--run-name", "cut", "--resume"])
+    evals = {n: [(r["step"], r["eval/greedy_acc"]) for r in metrics(tmp_path, n) if "eval/greedy_acc" in r]
+             for n in ("whole", "cut")}
+    assert evals["cut"] == evals["whole"] and [s for s, _ in evals["whole"]] == [0, 2]
+    calls.clear()
+    monkeypatch.setattr(grpo, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    grpo.main([*argv, "--run-name", "cut", "--resume"])  # logged already: nothing to do
+    assert calls == [] and [r["step"] for r in metrics(tmp_path, "cut") if "eval/greedy_acc" in r] == [0, 2]
+
