@@ -205,7 +205,8 @@ def held_out_problems(cfg: Config):
     from common.tasks import load_task
 
     # the runs' own evaluation draws its held-out set with seed 0 for every seed: the same problems (its first
-    # --curve-size), so the curves and this evaluation agree on the start model's greedy answers
+    # --curve-size), so the curves and this evaluation score the same questions (greedy answers can still differ
+    # by a few problems between the two: they decode in batches of different sizes)
     return load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
 
 
