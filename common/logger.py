@@ -148,6 +148,8 @@ def _number(v) -> bool:
 
 def _fmt(v):
     v = _plain(v)
+    if v is None:  # not finite, or not measured this step (say, a step that trained no token)
+        return "-"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)

@@ -207,3 +207,11 @@ def test_close_without_tracker(tmp_path):
     log = MetricsLog(tmp_path)
     log.close()
     log.close()
+
+
+def test_console_shows_a_missing_value_as_a_dash(tmp_path, capsys):
+    """A metric not measured this step (the policy entropy of a step that trained no token: null in the file)
+    reads "-" on the console, not "None" or a 0 that looks measured."""
+    MetricsLog(tmp_path).log(1, {"reward/mean": 0.25, "policy/entropy": float("nan")})
+    line = capsys.readouterr().out
+    assert "reward 0.25" in line and "ent -" in line and "None" not in line, line
