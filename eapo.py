@@ -20,7 +20,7 @@ and the clipped loss of every token is weighted by ω = sg(π_old / μ) (is_weig
 Only the paper's abstract and figure captions are public: the annealing shape, the form of the adapted
 importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are our
 reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
-(as in grpo.py), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ, π_RL's
+(grpo.py's --refill-rounds), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ, π_RL's
 entropy as the criterion, and a single ratio π_θ / μ inside the clip (variants the reconstruction leaves open).
 
 The paper's ablations as switches: without importance sampling, --is-level none (ω ≡ 1; Fig. 4b, "the

@@ -5,7 +5,7 @@ signals taken from the policy's own rollouts; read it against grpo.py (`diff grp
     python extra.py --steps 2 --run-name smoke       # any option: python extra.py --help
     python extra.py --run-name NAME --resume         # continue a run from its last checkpoint
     python extra.py --no-novelty --no-regen          # the host alone: GRPO with ExTra's loss settings
-    python extra.py --model Qwen3-1.7B --task math500 --kl-coef 0.001 ...   # paper-scale settings: see README
+    python extra.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --kl-coef 0.001 ...   # paper scale: docs/extra.md
 
 (i) Novelty bonus (§3.1): each rollout's answer is embedded; its novelty d is the cosine distance to its nearest
 neighbour among the prompt's last H rollouts and its siblings. Correct rollouts get α·d added to their GRPO
