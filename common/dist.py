@@ -6,6 +6,7 @@ Which rank does what: every rank generates rollouts for its own prompts (whole g
 group advantages need no communication), gradients are averaged by DDP (or sharded by FSDP2), metrics are
 reduced, rank 0 alone writes metrics and checkpoints.
 """
+import math
 import os
 from contextlib import contextmanager
 
@@ -89,21 +90,26 @@ def all_gather_list(items: list) -> list:
 
 def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
     """Combine per-rank metrics: those named in `sums` are added (totals, throughput), those in `maxes` are
-    maxed, the rest averaged over ranks. A metric only some ranks log (one over tokens a rank may not have) is
-    combined over those ranks; every rank then logs the same keys (a collective over differing keys would hang)."""
+    maxed, the rest averaged over ranks. A metric only some ranks log or measure (one over tokens a rank may not
+    have: absent, or NaN) is combined over those ranks; every rank then logs the same keys (a collective over
+    differing keys would hang)."""
     if not is_distributed():
         return metrics
     keys = sorted(set(all_gather_list(list(metrics))))
-    have = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)
-    vals = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    maxed = torch.tensor([float(metrics[k]) if k in maxes and k in metrics else float("-inf") for k in keys],
+    has = {k: k in metrics and math.isfinite(float(metrics[k])) for k in keys}
+    have = torch.tensor([float(has[k]) for k in keys], dtype=torch.float64)
+    vals = torch.tensor([float(metrics[k]) if has[k] else 0.0 for k in keys], dtype=torch.float64)
+    maxed = torch.tensor([float(metrics[k]) if k in maxes and has[k] else float("-inf") for k in keys],
                          dtype=torch.float64)
     td.all_reduce(have)
     td.all_reduce(vals)
     td.all_reduce(maxed, op=td.ReduceOp.MAX)
     out = {}
     for i, k in enumerate(keys):
-        out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else have[i].item())
+        if not have[i].item():  # no rank measured it
+            out[k] = math.nan
+        else:
+            out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else have[i].item())
     return out
 
 

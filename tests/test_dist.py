@@ -13,6 +13,7 @@ version of this test), while a gradient scaled by 2 gives the same step: the ear
 same 1.45e-6 with and without a forgotten world-size factor.
 """
 import json
+import math
 import os
 import socket
 import subprocess
@@ -263,7 +264,8 @@ def gather_ranks(rank, world, port, out):
     common_dist.setup("cpu")
     gathered = common_dist.all_gather_list([rank * 10 + i for i in range(rank + 1)])  # ranks hold different lengths
     # rank 0 logs "only0" (say, a mean over tokens rank 1 did not have), rank 1 "only1"
-    metrics = [{"mean": 1.0, "max": 5.0, "sum": 2.0, "only0": 4.0}, {"mean": 3.0, "max": 7.0, "sum": 3.0, "only1": 1.0}]
+    metrics = [{"mean": 1.0, "max": 5.0, "sum": 2.0, "only0": 4.0, "nan1": 6.0, "nan_all": math.nan},
+               {"mean": 3.0, "max": 7.0, "sum": 3.0, "only1": 1.0, "nan1": math.nan, "nan_all": math.nan}]
     reduced = common_dist.reduce_metrics(metrics[rank], sums=("sum", "only1"), maxes=("max",))
     torch.save((gathered, reduced), out / f"gathered{rank}.pt")
     common_dist.cleanup()
@@ -271,11 +273,14 @@ def gather_ranks(rank, world, port, out):
 
 def test_all_gather_list_and_metrics_over_ranks(tmp_path):
     """all_gather_list: each rank sees every rank's items, rank 0's first (XRPO's allocation statistics over the
-    whole batch). reduce_metrics: averaged, summed or maxed, and a key only some ranks log is combined over those
-    ranks, every rank ending with the same keys (before, differing keys made the all_reduce hang or fail)."""
+    whole batch). reduce_metrics: averaged, summed or maxed, and a key only some ranks log (or log NaN: not
+    measured there) is combined over those ranks, every rank ending with the same keys (before, differing keys made
+    the all_reduce hang or fail, and one rank's NaN made the whole metric NaN)."""
     mp.spawn(gather_ranks, args=(2, free_port(), tmp_path), nprocs=2, join=True)
-    expected = {"mean": 2.0, "max": 7.0, "sum": 5.0, "only0": 4.0, "only1": 1.0}
-    assert [torch.load(tmp_path / f"gathered{r}.pt") for r in range(2)] == [([0, 10, 11], expected)] * 2
+    expected = {"mean": 2.0, "max": 7.0, "sum": 5.0, "only0": 4.0, "only1": 1.0, "nan1": 6.0}  # NaN: not measured
+    for r in range(2):
+        gathered, reduced = torch.load(tmp_path / f"gathered{r}.pt")
+        assert gathered == [0, 10, 11] and math.isnan(reduced.pop("nan_all")) and reduced == expected, reduced
 
 
 def test_cleanup_waits_for_every_rank_before_leaving(monkeypatch):
