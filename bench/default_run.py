@@ -199,6 +199,10 @@ def overview(results: list, machine: str):
         return x * rate / base if x is not None and rate and base else None
 
     print(f"\n{machine}")
+    for seed in sorted({seed for algo, seed, _ in results if algo == "grpo"}):
+        n = sum(algo == "grpo" and s == seed for algo, s, _ in results)
+        if n > 1:  # the ratios then depend on the order the runs were given in: say which one they use
+            print(f"seed {seed}: {n} grpo.py runs; the ratios below are to the last one given")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | at grpo's matmul rate "
           "| step: sample + score + train | peak RSS | trained tokens (x grpo) | sampled tokens (x grpo) "
           "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|---|---|---|")

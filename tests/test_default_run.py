@@ -174,6 +174,12 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
             if line.startswith("| ") and " | 0 | " in line}
     assert rows["xrpo"][5:7] == ["1.50", "1.00"]  # 600 / 400, times 200 / 300
     assert rows["extra"][5:7] == ["1.20", "-"] and rows["grpo"][5:7] == ["1.00", "1.00"]
+    # two grpo.py runs of a seed: the ratios are to the last one given, and the output says so
+    default_run.overview([("grpo", 0, run(400.0, None)), ("grpo", 0, run(500.0, None)), ("xrpo", 0, run(600.0, None))],
+                         "CPU flags: test")
+    out = capsys.readouterr().out
+    assert "seed 0: 2 grpo.py runs; the ratios below are to the last one given" in out
+    assert [line.split(" | ")[5] for line in out.splitlines() if line.startswith("| xrpo | 0 |")] == ["1.20"]
 
 
 def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
