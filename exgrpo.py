@@ -812,8 +812,8 @@ def main(argv=None):
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0
-    # ExGRPO's state: this rank's questions, their buffer, and whether the mixed phase has begun. our choice: a rank owns the
-    # questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
+    # ExGRPO's state: this rank's questions, their buffer, and whether the mixed phase has begun. our choice: a rank
+    # owns the questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
     exp, stream = Experience(G, cfg.max_stored), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
     # ρ = 0 turns ExGRPO off: no mixed phase (so no unclipped fresh tokens), no retirement: grpo.py's run exactly
     replaying = cfg.replay_ratio > 0

@@ -830,7 +830,7 @@ def main(argv=None):
                 rewards = novelty_rewards(rewards, correct, d, b.group, keys, extra_state["var_ema"], cfg)
         n_groups = int(b.group.max()) + 1
         zero_var = ~varied_groups(rewards, b.group, n_groups)  # [groups]
-        zero_adv = zero_advantage_groups(rewards, correct, d, b.group, n_groups, cfg.novelty_mode)  # ExTra: not zero_var
+        zero_adv = zero_advantage_groups(rewards, correct, d, b.group, n_groups, cfg.novelty_mode)  # ExTra: bonus too
         keep = ~zero_adv[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
