@@ -48,8 +48,7 @@ from common import checkpoint, dist
 from common.batch import Batch, completion_logprobs, micro_batches, to_batch, token_index, trainer_logprobs, varied_share
 from common.config import RunError, check, main_guard, parse
 from common.embed import embed
-from common.evaluate import evaluate
-from common.hub import resolve_model_dir
+from common.evaluate import evaluate, evaluation_lost
 from common.logger import MetricsLog
 from common.memory import peak_rss_gb
 from common.model import Transformer, compute_dtype
@@ -732,8 +731,10 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     for epoch in range(cfg.epochs if N else 0):
         for idx in mini:
             # the aggregation's totals over the whole mini-batch, summed over ranks
-            n_seqs, n_tokens = dist.all_reduce_sum(torch.tensor([float((n_train[idx] > 0).sum()),
-                                                                 float(n_train[idx].sum())])).tolist()
+            n_seqs, n_tokens, n_members = dist.all_reduce_sum(torch.tensor(
+                [float((n_train[idx] > 0).sum()), float(n_train[idx].sum()), float(len(idx))])).tolist()
+            if n_members == 0:  # fewer completions than mini-batches (--dynamic-sampling dropped groups): no step
+                continue
             if cfg.top_entropy < 1:  # ranked over the mini-batch's loss tokens
                 tok_mb = token_index(lengths, idx)
                 tok_mb = tok_mb[b.train_mask()[tok_mb]]
@@ -983,10 +984,14 @@ def main(argv=None):
         # the allocation's statistics over every rank's prompts (a mean of per-rank minima would not be the minimum)
         metrics.update(xrpo_metrics(dist.all_gather_list(per_prompt), cfg, b_all.group, icl, correct_all, correct[keep],
                                     bonus, corpus))
-        metrics = dist.reduce_metrics(metrics, sums=METRIC_SUMS + XRPO_SUMS, maxes=METRIC_MAXES + XRPO_MAXES)
+        # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
+        counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
+                  "policy/": stats["tokens"]}
+        metrics = dist.reduce_metrics(metrics, weights=counts, sums=METRIC_SUMS + XRPO_SUMS,
+                                      maxes=METRIC_MAXES + XRPO_MAXES)
         log.log(step, {**metrics, **xrpo_rates(metrics)})
         if step % cfg.save_every == 0 or step == cfg.steps:
-            save(model, optimizer, ckpt_dir, step, cfg, extra={"xrpo_corpus": corpus.state_dict()})
+            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"xrpo_corpus": corpus.state_dict()})
         if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)
             optimizer.state.clear()  # need not be held through the last evaluation
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -1001,27 +1006,6 @@ def main(argv=None):
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
     log.close()
     dist.cleanup()
-
-
-def evaluation_lost(log, step: int, cfg) -> bool:
-    """A resumed run's checkpoint step was due an evaluation that metrics.jsonl lacks (the run stopped during it,
-    after the save): it runs again. Rank 0 holds the log; every rank follows its answer (evaluate is collective)."""
-    due = step % cfg.eval_every == 0 or step == cfg.steps
-    return due and dist.all_gather_list([step not in log.evaluated])[0]
-
-
-def save(model, optimizer, ckpt_dir, step, cfg, extra=None):
-    """fp32 master weights and optimizer state, whole (collectives under FSDP2: every rank calls them), written
-    atomically; never from non-finite weights, which would replace the last good checkpoint with garbage."""
-    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
-    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
-        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
-                       "is intact (rerun with --resume and a lower --lr)")
-    if dist.is_main():
-        checkpoint.save(ckpt_dir, model, weights, optim_state, step, model_source=resolve_model_dir(cfg.model),
-                        extra={"config": asdict(cfg), **(extra or {})})
-    dist.barrier()
-
 
 
 def _minutes(seconds):

@@ -6,6 +6,7 @@ trainer.pt holds the step, the optimizer, the RNG states and whatever algorithm 
 Writing is atomic: everything goes to a fresh temporary folder which then replaces the old checkpoint by
 renames, so a crash at any moment leaves either the old or the new checkpoint whole.
 """
+import dataclasses
 import random
 import shutil
 import tempfile
@@ -15,7 +16,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from common import dist
 from common.errors import RunError
+from common.hub import resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -44,6 +47,20 @@ def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model
         ckpt_dir.rename(old)
     tmp.rename(ckpt_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_run(model, optimizer, ckpt_dir, step: int, cfg, extra: dict | None = None):
+    """A training run's checkpoint: fp32 master weights and optimizer state, whole (collectives under FSDP2: every
+    rank calls this), the run's config (cfg, a dataclass) and the algorithm's `extra` state, written atomically by
+    rank 0; never from non-finite weights, which would replace the last good checkpoint with garbage."""
+    weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
+    if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
+        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
+                       "is intact (rerun with --resume and a lower --lr)")
+    if dist.is_main():
+        save(ckpt_dir, model, weights, optim_state, step, model_source=resolve_model_dir(cfg.model),
+             extra={"config": dataclasses.asdict(cfg), **(extra or {})})
+    dist.barrier()
 
 
 def _reason(e: Exception) -> str:

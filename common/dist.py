@@ -88,29 +88,39 @@ def all_gather_list(items: list) -> list:
     return [x for part in parts for x in part]
 
 
-def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
+def reduce_metrics(metrics: dict, sums=(), maxes=(), weights=None) -> dict:
     """Combine per-rank metrics: those named in `sums` are added (totals, throughput), those in `maxes` are
-    maxed, the rest averaged over ranks. A metric only some ranks log or measure (one over tokens a rank may not
-    have: absent, or NaN) is combined over those ranks; every rank then logs the same keys (a collective over
-    differing keys would hang)."""
+    maxed, the rest averaged over ranks, each rank weighted by `weights`: {key or "prefix/": this rank's count}
+    (the longest match; 1 where none), so that a mean over completions or tokens is the whole batch's mean and not a
+    mean of per-rank means where ranks hold different counts. A metric only some ranks log or measure (one over
+    tokens a rank may not have: absent, or NaN) is combined over those ranks; every rank then logs the same keys (a
+    collective over differing keys would hang)."""
     if not is_distributed():
         return metrics
     keys = sorted(set(all_gather_list(list(metrics))))
     has = {k: k in metrics and math.isfinite(float(metrics[k])) for k in keys}
+    weight = {k: 1.0 if k in sums or k in maxes else float(_weight(k, weights or {})) for k in keys}
     have = torch.tensor([float(has[k]) for k in keys], dtype=torch.float64)
-    vals = torch.tensor([float(metrics[k]) if has[k] else 0.0 for k in keys], dtype=torch.float64)
+    total_weight = torch.tensor([weight[k] if has[k] else 0.0 for k in keys], dtype=torch.float64)
+    vals = torch.tensor([float(metrics[k]) * weight[k] if has[k] else 0.0 for k in keys], dtype=torch.float64)
     maxed = torch.tensor([float(metrics[k]) if k in maxes and has[k] else float("-inf") for k in keys],
                          dtype=torch.float64)
-    td.all_reduce(have)
-    td.all_reduce(vals)
+    for t in (have, total_weight, vals):
+        td.all_reduce(t)
     td.all_reduce(maxed, op=td.ReduceOp.MAX)
     out = {}
     for i, k in enumerate(keys):
-        if not have[i].item():  # no rank measured it
-            out[k] = math.nan
+        if not have[i].item() or (k not in sums and k not in maxes and total_weight[i].item() == 0):
+            out[k] = math.nan  # no rank measured it (or only ranks of weight 0)
         else:
-            out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else have[i].item())
+            out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else total_weight[i].item())
     return out
+
+
+def _weight(key: str, weights: dict) -> float:
+    """The weight of the longest entry of `weights` that is `key` or a prefix of it ending in "/"; 1 if none."""
+    match = max((w for w in weights if w == key or w.endswith("/") and key.startswith(w)), key=len, default=None)
+    return 1.0 if match is None else weights[match]
 
 
 def barrier():

@@ -20,6 +20,14 @@ from common.tokenizer import Tokenizer
 from common.verifier import score
 
 
+def evaluation_lost(log, step: int, cfg) -> bool:
+    """A resumed run's checkpoint step was due an evaluation (every cfg.eval_every steps and after cfg.steps) that
+    its metrics.jsonl lacks: the run stopped during it, after the save, so it runs again. Rank 0 holds the log
+    (a MetricsLog); every rank follows its answer, since evaluate is collective."""
+    due = step % cfg.eval_every == 0 or step == cfg.steps
+    return due and dist.all_gather_list([step not in log.evaluated])[0]
+
+
 @torch.no_grad()
 def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=150, seed=0,
              sample_batch=64) -> dict:

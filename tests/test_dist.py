@@ -264,20 +264,26 @@ def gather_ranks(rank, world, port, out):
     common_dist.setup("cpu")
     gathered = common_dist.all_gather_list([rank * 10 + i for i in range(rank + 1)])  # ranks hold different lengths
     # rank 0 logs "only0" (say, a mean over tokens rank 1 did not have), rank 1 "only1"
-    metrics = [{"mean": 1.0, "max": 5.0, "sum": 2.0, "only0": 4.0, "nan1": 6.0, "nan_all": math.nan},
-               {"mean": 3.0, "max": 7.0, "sum": 3.0, "only1": 1.0, "nan1": math.nan, "nan_all": math.nan}]
-    reduced = common_dist.reduce_metrics(metrics[rank], sums=("sum", "only1"), maxes=("max",))
+    # "policy/" means are weighted by the rank's tokens (3 and 1), but for "policy/n"; "w/zero" weighs rank 0 by 0
+    metrics = [{"mean": 1.0, "max": 5.0, "sum": 2.0, "only0": 4.0, "nan1": 6.0, "nan_all": math.nan,
+                "policy/ent": 1.0, "policy/n": 1.0, "w/zero": 100.0},
+               {"mean": 3.0, "max": 7.0, "sum": 3.0, "only1": 1.0, "nan1": math.nan, "nan_all": math.nan,
+                "policy/ent": 3.0, "policy/n": 3.0, "w/zero": 4.0}]
+    weights = {"policy/": [3, 1][rank], "policy/n": 1, "w/": [0, 2][rank], "sum": 5, "max": 5}
+    reduced = common_dist.reduce_metrics(metrics[rank], sums=("sum", "only1"), maxes=("max",), weights=weights)
     torch.save((gathered, reduced), out / f"gathered{rank}.pt")
     common_dist.cleanup()
 
 
 def test_all_gather_list_and_metrics_over_ranks(tmp_path):
     """all_gather_list: each rank sees every rank's items, rank 0's first (XRPO's allocation statistics over the
-    whole batch). reduce_metrics: averaged, summed or maxed, and a key only some ranks log (or log NaN: not
+    whole batch). reduce_metrics: averaged (weighted by each rank's count where given: a mean over the whole
+    batch's tokens, not of per-rank means), summed or maxed, and a key only some ranks log (or log NaN: not
     measured there) is combined over those ranks, every rank ending with the same keys (before, differing keys made
     the all_reduce hang or fail, and one rank's NaN made the whole metric NaN)."""
     mp.spawn(gather_ranks, args=(2, free_port(), tmp_path), nprocs=2, join=True)
-    expected = {"mean": 2.0, "max": 7.0, "sum": 5.0, "only0": 4.0, "only1": 1.0, "nan1": 6.0}  # NaN: not measured
+    expected = {"mean": 2.0, "max": 7.0, "sum": 5.0, "only0": 4.0, "only1": 1.0, "nan1": 6.0,  # NaN: not measured
+                "policy/ent": 1.5, "policy/n": 2.0, "w/zero": 4.0}  # weighted: (3·1 + 1·3) / 4; (0·100 + 2·4) / 2
     for r in range(2):
         gathered, reduced = torch.load(tmp_path / f"gathered{r}.pt")
         assert gathered == [0, 10, 11] and math.isnan(reduced.pop("nan_all")) and reduced == expected, reduced

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import grpo
-from common import options
+from common import checkpoint, options
 from common.batch import Batch, trainer_logprobs
 from common.optim import AdamW
 from common.config import RunError
@@ -161,6 +161,17 @@ def test_excluded_prefix_equals_prefix_in_the_context(model):
         torch.testing.assert_close(with_skip[0], with_context[0], atol=1e-7, rtol=1e-5)
 
 
+def test_a_mini_batch_with_no_completion_takes_no_optimizer_step(model):
+    """Three completions left (--dynamic-sampling dropped the rest) and M = 4: mini-batches 0..3 hold 0, 1, 1 and 1
+    completions, so each epoch takes three optimizer steps; an empty one would be an AdamW step on no data."""
+    b, rewards = make_batch(skips=[0, 1, 0, 0, 2, 0, 0, 1])
+    keep = torch.tensor([False] * 5 + [True] * 3)
+    b, rewards = b.select(keep), rewards[keep]
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    stats, grads = run_update(model, b, adv, mini_batches=4, epochs=2, micro_batch=3)
+    assert stats["opt_steps"] == len(grads) == 6
+
+
 def test_several_mini_batches_and_epochs_keep_ratio_one_on_pi_old(model):
     """M = 2, μ = 2 with old log-probs from the scoring pass: the weights never move here, so every token's ratio
     must be exactly 1 (old log-probs aligned token by token, skips included) and one gradient per mini-batch."""
@@ -284,12 +295,12 @@ def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):
     opt = AdamW(m.parameters(), lr=1e-3)
     ckpt = tmp_path / "checkpoint"
     cfg = grpo.Config(model=str(tiny_model_dir))
-    grpo.save(m, opt, ckpt, 1, cfg)
+    checkpoint.save_run(m, opt, ckpt, 1, cfg)
     good = (ckpt / "model.safetensors").read_bytes()
     with torch.no_grad():
         m.norm.weight[0] = float("nan")
     with pytest.raises(RunError, match="not finite"):
-        grpo.save(m, opt, ckpt, 2, cfg)
+        checkpoint.save_run(m, opt, ckpt, 2, cfg)
     assert (ckpt / "model.safetensors").read_bytes() == good
 
 
