@@ -1,30 +1,32 @@
 """EAPO: Experience Augmented Policy Optimization (arXiv 2606.30420). GRPO whose rollouts take some tokens from
 a frozen policy π_RL of an earlier RL run: at critical decision points (the policy's next-token entropy above τ)
 of G_e augmented responses per group, the token is resampled from π_RL, with a probability λ_k annealed to 0 over
-T steps; an adapted importance weight corrects the loss for those tokens. Everything else is grpo.py's loop
-(`diff grpo.py eapo.py` shows EAPO and nothing else).
+T steps; an adapted importance weight corrects the loss for the draw of those tokens. Everything else is grpo.py's
+loop (`diff grpo.py eapo.py` shows EAPO, and the refill it leaves out).
 
     python grpo.py --run-name prior                      # 1. an RL run of the same model gives π_RL
     python eapo.py --prior runs/prior/checkpoint         # 2. EAPO from the base model, with π_RL as experience
     python eapo.py --prior runs/prior/checkpoint --steps 2 --run-name smoke    # any option: python eapo.py --help
     python eapo.py --prior runs/prior/checkpoint --run-name NAME --resume      # continue a run
 
-One step: λ_k = λ_0 max(0, 1 - k/T). Sample G completions per prompt; the first G_e of each group are augmented:
-π_RL decodes alongside them (its own KV cache, never on ordinary ones) and at each token whose policy entropy
-(at the sampling temperature) exceeds τ, with probability λ_k, the policy's draw becomes a draft that speculative
-sampling (Chen et al. 2023, arXiv 2302.01318) accepts with min(1, π_RL/π_old) or replaces from the residual, so
-the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. Each token's behaviour
-probability is μ = (1 - λ) π_old + λ π_RL at the critical points of augmented completions, μ = π_old elsewhere,
-and the clipped loss of every token is weighted by ω = sg(π_old / μ) (is_weights: what it corrects and what not).
+One step: λ_k = λ_0 max(0, 1 - k/T) (--schedule linear). Sample G completions per prompt; the first G_e of each
+group are augmented: π_RL decodes alongside them (its own KV cache, never on ordinary ones) and at each token whose
+policy entropy (at the sampling temperature) exceeds τ, with probability λ_k, the policy's draw becomes a draft that
+speculative sampling (Chen et al. 2023, arXiv 2302.01318) accepts with min(1, π_RL/π_old) or replaces from the
+residual, so the token is exactly π_RL-distributed. Rewards and group advantages are GRPO's, over all G. Each
+token's behaviour probability is μ = (1 - λ) π_old + λ π_RL at the critical points of augmented completions, μ =
+π_old elsewhere, and the clipped loss of every token is weighted by ω = sg(π_old / μ) (is_weights: what it corrects
+and what not; μ here is the behaviour distribution, not grpo.py's μ = --epochs).
 
-Only the paper's abstract and figure captions are public: the annealing shape, the form of the adapted
-importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are our
-reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
-(grpo.py's --refill-rounds), trajectory-level experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ, π_RL's
-entropy as the criterion, and a single ratio π_θ / μ inside the clip (variants the reconstruction leaves open).
+Only the paper's abstract, figure captions, reference list and one paragraph are public: the annealing shape, the
+form of the adapted importance weight, the split into G_e augmented responses and the defaults of τ, T and G_e are
+our reconstruction, each marked "our choice" where the code makes it. Left out: DAPO's refill of dropped groups
+(grpo.py's --refill-rounds: refilled groups would need their own augmented rows and π_RL decoding), trajectory-level
+experience (EAPO Fig. 3a's baseline), annealing G_e instead of λ, π_RL's entropy as the criterion, and a single
+ratio π_θ / μ inside the clip (variants the reconstruction leaves open).
 
-The paper's ablations as switches: without importance sampling, --is-level none (ω ≡ 1; Fig. 4b, "the
-components are complementary"); Pos-Only, --pos-only (only correct augmented completions keep their loss;
+The paper's ablations as switches: without importance sampling, --is-level none (ω ≡ 1; presumably one of Fig. 4b's
+"complementary effects of EAPO components"); Pos-Only, --pos-only (only correct augmented completions keep their loss;
 Fig. 3a); the annealing length, --anneal-steps T (Fig. 4a); the threshold, --tau or --tau-quantile (Fig. 2).
 --is-level sequence weights a completion by the product of its ω_t (truncated at --seq-cap), the correction
 the per-token ω lacks beyond one decision (is_weights).
@@ -66,7 +68,7 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 2000  # problems generated for arith (ignored for data files)
+    train_size: int = 2000  # training problems: generated (arith), or a seeded sample of a file's; 0 = the whole file
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
@@ -81,10 +83,10 @@ class Config:
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     eps_low: float = 0.2  # clip ratio below 1 - eps_low
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
-    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    seq_ratio: bool = False  # GSPO's one length-normalised ratio per completion (its full recipe: docs/grpo.md)
     tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
@@ -103,12 +105,12 @@ class Config:
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
-    warmup_steps: int = 3  # linear warm-up from 0
+    warmup_steps: int = 3  # linear warm-up: step k <= N runs at k/N of --lr; 0 = none
     decay_steps: int = 3  # the last N steps lower the rate linearly toward 0 (N/(N+1), ..., 1/(N+1)); 0 = constant
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
-    max_grad_norm: float = 1.0  # gradient clipping
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (> 0)
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
@@ -124,7 +126,7 @@ class Config:
     lam0: float = 1.0  # λ_0: probability of taking a critical token from π_RL at step 1 (our choice: 1)
     anneal_steps: int = 8  # T: λ reaches 0 after T steps, then the run is plain GRPO (our choice: ~half the run)
     schedule: str = "linear"  # shape of λ_k from λ_0 to 0: linear, cosine, or constant (λ_0 until T)
-    augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = a quarter of --group-size
+    augmented: int = -1  # G_e: augmented completions per group (the first G_e); -1 = max(1, G // 4)
     tau: float = -1.0  # τ: critical tokens have policy entropy > τ (nats, at --temperature); -1 = calibrate
     tau_quantile: float = 0.9  # calibration: τ = this quantile of the starting policy's token entropies (our choice)
     is_level: str = "token"  # IS weight ω: token (π_old / μ), sequence (its product over a completion), none (ω ≡ 1)
@@ -148,9 +150,9 @@ EAPO_FIXED = ("prior", "lam0", "anneal_steps", "schedule", "augmented", "tau", "
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
-                 "eval_every", "save_every", "train_size", "max_skipped"):
+                 "eval_every", "save_every", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer"):
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer", "eval_samples", "train_size"):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
@@ -159,15 +161,17 @@ def validate(cfg: Config):
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.max_grad_norm > 0, "max_grad_norm", "a positive number (a norm of 0 would zero every gradient)")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a ρ in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
-    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling",
+          "a single process (under torchrun ranks would drop different numbers of groups)")
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
     check(cfg.prior != "", "prior", "a checkpoint of an earlier RL run of this model, e.g. "
@@ -238,25 +242,26 @@ def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> 
     return group_max > group_min
 
 
-def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
     """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
     from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
-    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    n_loss [n]: loss tokens per completion; n_seqs / n_tokens: totals of the mini-batch.
+    Returns w [n_loss.sum()], completion after completion."""
     if agg == "token-mean":  # DAPO §3.3: every token counts the same
-        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+        w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
-        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+        w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
     else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
-        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
-    return w.repeat_interleave(lengths)
+        w = torch.full_like(n_loss, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(n_loss)
 
 
 def step_prompts(train, step, n, seed):
     """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
     (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
     out, perms = [], {}
-    for g in range((step - 1) * n, step * n):
-        epoch, i = divmod(g, len(train))
+    for draw in range((step - 1) * n, step * n):
+        epoch, i = divmod(draw, len(train))
         if epoch not in perms:
             perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         out.append(train[int(perms[epoch][i])])
@@ -281,8 +286,8 @@ def injection_prob(k: int, lam0: float, T: int, schedule: str = "linear") -> flo
 
 def augmented_rows(n_prompts: int, G: int, G_e: int) -> list[int]:
     """Sample indices (prompt-major) of the experience-augmented responses: the first G_e of each group
-    (EAPO Fig. 2 logs augmented and ordinary responses apart). our choice: the other G - G_e stay on-policy,
-    an anchor for every group's baseline."""
+    (Fig. 2b-c report on "the experience-augmented responses", so only some are; which and how many is our
+    choice). The other G - G_e stay on-policy, an anchor for every group's baseline."""
     return [i * G + j for i in range(n_prompts) for j in range(G_e)]
 
 
@@ -290,8 +295,8 @@ def speculative_resample(p_old, p_rl, draft, generator=None):
     """A token distributed exactly as p_rl from a draft ~ p_old (speculative sampling: Chen et al. 2023,
     arXiv 2302.01318; Leviathan et al. 2023, arXiv 2211.17192): keep the draft x with probability
     min(1, p_rl(x) / p_old(x)), else draw from the residual max(0, p_rl - p_old), renormalised.
-    p_old, p_rl [b, V] probabilities, draft [b]. Returns (tokens [b], resampled [b] bool: the draft was
-    rejected). The chance of a rejection is TV(p_old, p_rl)."""
+    p_old, p_rl [b, V] probabilities, draft [b]. Returns (tokens [b], rejected [b] bool: the draft was
+    rejected and the token drawn from the residual). The chance of a rejection is TV(p_old, p_rl)."""
     q = p_old.gather(-1, draft[:, None])[:, 0]
     r = p_rl.gather(-1, draft[:, None])[:, 0]
     u = torch.rand(len(draft), generator=generator, device=draft.device)
@@ -307,7 +312,8 @@ def behaviour_logp(old_logp, rl_logp, lam: float, eligible):
     "adapted importance sampling" (abstract). At a critical position of an augmented response the token came
     from π_old with probability 1 - λ and from π_RL with probability λ, so μ = (1 - λ) π_old + λ π_RL;
     elsewhere μ = π_old. our choice: the coin is folded into the mixture (eligibility is a function of the
-    state, the coin is not), which makes ω a smooth function of the token. Log space keeps tiny
+    state, the coin is not), so ω depends on the emitted token alone, not on the unlogged coin, and is at most
+    1 / (1 - λ) (conditioning on the coin would give the unbounded π_old / π_RL). Log space keeps tiny
     probabilities finite."""
     if lam <= 0:
         return old_logp.clone()
@@ -355,7 +361,8 @@ class PriorMix:
     coin of probability λ says inject, speculative resampling turns it into a draw from π_RL (at the same
     temperature: our choice, so that π_RL's tokens are scored like the policy's). Returns the emitted tokens
     and per-token extras: old_logp, rl_logp (log π_old, log π_RL of the token), mu_logp (log μ), eligible,
-    injected, resampled (the draft was rejected) and kl (KL(π_old || π_RL) at the position, full vocabulary)."""
+    injected (π_RL decided the token), rejected (injected, and the speculative draft rejected) and kl
+    (KL(π_old || π_RL) at the position, full vocabulary)."""
 
     def __init__(self, lam: float, tau: float, temperature: float, seed: int, device="cpu"):
         self.lam, self.tau, self.temperature = lam, tau, temperature
@@ -377,7 +384,7 @@ class PriorMix:
         rl_logp = logp_rl.gather(-1, tokens[:, None])[:, 0]
         return tokens, {
             "old_logp": old_logp, "rl_logp": rl_logp, "mu_logp": behaviour_logp(old_logp, rl_logp, self.lam, eligible),
-            "eligible": eligible, "injected": injected, "resampled": injected & rejected,
+            "eligible": eligible, "injected": injected, "rejected": injected & rejected,
             "kl": (p_old * (logp_old - logp_rl)).sum(-1),
         }
 
@@ -389,11 +396,11 @@ def pos_only_dropped(correct, augmented):
     return augmented & (correct <= 0)
 
 
-def resampled_ratio(resampled: list, augmented: list) -> float:
-    """Resampled tokens / tokens, over the augmented responses only (EAPO Fig. 2); ordinary ones add
-    nothing. resampled: one bool tensor per completion; augmented: one bool per completion."""
-    n = sum(len(r) for r, a in zip(resampled, augmented) if a)
-    return sum(int(r.sum()) for r, a in zip(resampled, augmented) if a) / max(n, 1)
+def augmented_share(flags: list, augmented: list) -> float:
+    """Flagged tokens / tokens, over the augmented responses only (EAPO Fig. 2b's ratios); ordinary ones add
+    nothing. flags: one bool tensor per completion; augmented: one bool per completion."""
+    n = sum(len(f) for f, a in zip(flags, augmented) if a)
+    return sum(int(f.sum()) for f, a in zip(flags, augmented) if a) / max(n, 1)
 
 
 class PriorWeights:
@@ -428,9 +435,9 @@ def rollouts(rollout, priors, mix, contexts, G, G_e, cfg, stop_ids, seed):
     """G completions of each prompt (groups, prompt-major), the first G_e of each experience-augmented: π_RL decodes
     alongside them and `mix` may take their critical tokens from it (EAPO Fig. 1). On a GPU one sampling call. On a
     CPU (priors.apart) the augmented completions come first, in a call of their own with π_RL, and the ordinary ones
-    after it, once π_RL's weights are gone: π_RL's 0.54 x 10^9 bytes in fp32 and the sampler's buffers for all G
-    rows never meet, which keeps a step's peak memory near grpo.py's (docs/eapo.md). our choice: the paper samples
-    on GPUs, where memory is not the limit and a second sequential call would cost a step's sampling latency again.
+    after it, once π_RL's weights are gone: π_RL's weights (0.54 x 10^9 bytes in fp32) and the sampler's buffers for
+    all G rows never meet, which keeps a step's peak memory near grpo.py's (docs/eapo.md). Memory, not EAPO: on a GPU
+    memory is not the limit and a second sequential call would cost a step's sampling latency again.
     Both ways each completion is drawn from the same distribution; only the random draws differ."""
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=stop_ids)
     if G_e == 0:
@@ -439,7 +446,7 @@ def rollouts(rollout, priors, mix, contexts, G, G_e, cfg, stop_ids, seed):
         companion = Companion(priors.hold(), mix, rows=augmented_rows(len(contexts), G, G_e))
         return generate(rollout, contexts, n=G, seed=seed, companion=companion, **kw)
     augmented = generate(rollout, contexts, n=G_e, seed=seed, companion=Companion(priors.hold(), mix), **kw)
-    ordinary = generate(rollout, contexts, n=G - G_e, seed=seed + 2, **kw)  # π_RL's weights went with the call
+    ordinary = generate(rollout, contexts, n=G - G_e, seed=seed + 2, **kw)  # π_RL's weights freed with the first call
     like = augmented[0][0].extras  # the ordinary completions' per-token extras: zeros, as a joint call gives them
     for s in (s for g in ordinary for s in g):
         s.extras = {k: v.new_zeros(len(s.tokens)) for k, v in like.items()}
@@ -461,17 +468,19 @@ def flat_extras(groups, keep_tok):
 
 
 def eapo_metrics(lam, tau, groups, aug, correct, x, omega) -> dict:
-    """EAPO's diagnostics (its Fig. 2 logs the resampled ratio and the accuracy of augmented responses).
-    aug, correct [N] over all completions of the step; x, omega over the kept ones' tokens."""
+    """EAPO's diagnostics (its Fig. 2b logs the "resampled ratio", the share of augmented responses' tokens π_RL
+    decided: our injected_ratio; Fig. 2c the accuracy of augmented responses). rejected_ratio: of those, the share
+    whose speculative draft was rejected (a detail of our sampling). aug, correct [N] over all completions of the
+    step; the ratios over all augmented tokens; x, omega (kl_prior, omega_*) over the kept ones' tokens."""
     entropies = torch.cat([s.entropies for g in groups for s in g])
     m = {"eapo/lambda": lam, "eapo/tau": tau, "eapo/eligible_share": (entropies > tau).float().mean().item(),
-         "eapo/resampled_ratio": 0.0, "eapo/prior_tokens": 0.0}
+         "eapo/injected_ratio": 0.0, "eapo/rejected_ratio": 0.0, "eapo/prior_tokens": 0.0}
     if aug.any():
         samples = [s for g in groups for s in g]
         # EAPO's extra sampling work: the tokens π_RL decoded alongside (against perf/sampled_tokens, the policy's)
         m["eapo/prior_tokens"] = float(sum(len(s.tokens) for s, a in zip(samples, aug.tolist()) if a))
-        m["eapo/resampled_ratio"] = resampled_ratio([s.extras["resampled"] for s in samples], aug.tolist())
-        m["eapo/injected_ratio"] = resampled_ratio([s.extras["injected"] for s in samples], aug.tolist())
+        m["eapo/injected_ratio"] = augmented_share([s.extras["injected"] for s in samples], aug.tolist())
+        m["eapo/rejected_ratio"] = augmented_share([s.extras["rejected"] for s in samples], aug.tolist())
         m["eapo/acc_augmented"] = correct[aug].mean().item()
         if not aug.all():  # absent, not 0, when every completion is augmented (--augmented G)
             m["eapo/acc_ordinary"] = correct[~aug].mean().item()
@@ -495,7 +504,8 @@ EAPO_MAXES = ("eapo/omega_max",)
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
     """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
     of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
-    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
+    Returns ℓ [n] and the clip's cuts, clipped_low and clipped_high [n] bool (CISPO: where its weight was clipped)."""
     if cfg.loss_type == "cispo":  # the unclipped surrogate r·A times the constant min(r, 1 + ε_high) / r: CISPO's
         ratio = cispo_ratio(logp, old_logp, kw.get("seq_ids"))  # value and gradient, in the same fused pass
         weight = ratio.clamp(max=1 + cfg.eps_high) / ratio
@@ -534,8 +544,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (and GSPO's s_i)
-    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+    if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
         loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
@@ -553,18 +563,20 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
-    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
-    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    token_loss (weights, ...). Returns summed diagnostics."""
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b, forwards through `policy` (DDP, FSDP2
+    or the model itself), steps on `model`'s parameters. adv [N]; old_logp [n_tok] π_old, None when μ = M = 1 (the
+    update's own detached forward is π_old); ref_logp [n_tok] π_ref, None without --kl-coef; loss_kw: more per-token
+    [n_tok] tensors for token_loss (weights, ...). Returns diagnostics summed over trained tokens and optimizer steps,
+    and last_grad_norm and skipped_since_last_step (optimizer steps skipped since the last one taken)."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
-    # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
-    # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
-    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    # A completion with advantage 0 (all of its group right or all wrong) adds exactly 0 to the gradient unless a
+    # term acts without the advantage (KL, entropy bonus), and one without loss tokens adds nothing: on one process
+    # both are left out of the forward and backward but kept in the aggregation's totals, so the gradient is the
+    # same. Most groups are such early and late in a run. Under torchrun every completion runs: ranks must run the
+    # same forwards (FSDP2 gathers the weights in each one, and a rank with none would skip DDP's all-reduce).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
@@ -659,14 +671,14 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
     return False
 
 
-def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
     # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
     lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
-        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "reward/zero_var_groups": n_zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
         "reward/varied_rollouts": varied_share(b.group, rewards),
         "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
         "response/truncated": (~b.finished).float().mean().item(),
@@ -711,7 +723,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
-    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    train = load_task(cfg.task, "train", n=cfg.train_size or None, seed=cfg.seed)
     # the same held-out problems for every seed (seed 0 draws them), so runs of different seeds compare directly
     held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(cfg.model)
@@ -723,8 +735,9 @@ def main(argv=None):
     if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
     priors = PriorWeights(cfg, model, tok, device, dtype)  # π_RL samples alongside the rollout copy, in its dtype
-    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
-    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
+    # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
+    # in fp32 on one process the model samples itself.
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
@@ -768,7 +781,7 @@ def main(argv=None):
         t0 = time.time()
         problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
         contexts = [tok.prompt(format_question(p)) for p in problems]
-        seed = cfg.seed * 1_000_003 + step * 1009 + dist.rank()
+        seed = cfg.seed * 1_000_003 + step * 1009 + 3 * dist.rank()  # a rank draws from seed, seed + 1 and seed + 2
         lam = injection_prob(step - 1, cfg.lam0, cfg.anneal_steps, cfg.schedule)  # k = step - 1: λ_0 at step 1
         aug_rows = augmented_rows(B, G, G_e) if lam > 0 else []
         mix = PriorMix(lam, tau, cfg.temperature, seed + 1, device)  # π_RL's tokens at critical points
@@ -788,8 +801,8 @@ def main(argv=None):
         keep_tok = keep.repeat_interleave(b.lengths)  # [n_tok]
         b, rewards, correct, aug_all, aug = b.select(keep), rewards[keep], correct[keep], aug, aug[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
-        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
+        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -799,7 +812,8 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget gets no loss
+        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget keeps its reward in its
+            # group's advantages but gets no loss tokens (all of it is skipped)
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
         if cfg.pos_only:  # after the advantages, which see the whole group; out of every denominator too
             b.skip = torch.where(pos_only_dropped(correct, aug), b.lengths, b.skip)
@@ -818,10 +832,11 @@ def main(argv=None):
             loss_kw = {"weights": omega}
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
-        for group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
-            group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
+        for param_group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
+            param_group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
                        loss_kw)
+        # optimizer steps skipped since the last one taken, counting earlier training steps' when this one took none
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
@@ -839,6 +854,9 @@ def main(argv=None):
         # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
                   "policy/": stats["tokens"]}
+        # EAPO's ratios: over augmented tokens (eligible_share: all tokens), its accuracies over their completions
+        counts.update({"eapo/": int(b_all.lengths[aug_all].sum()), "eapo/eligible_share": int(b_all.lengths.sum()),
+                       "eapo/acc_augmented": int(aug_all.sum()), "eapo/acc_ordinary": int((~aug_all).sum())})
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=METRIC_SUMS + EAPO_SUMS,
                                           maxes=METRIC_MAXES + EAPO_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:

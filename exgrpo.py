@@ -4,7 +4,7 @@ successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
     python exgrpo.py                                 # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
     python exgrpo.py --steps 2 --run-name smoke      # any option: python exgrpo.py --help
     python exgrpo.py --run-name NAME --resume        # continue a run from its last checkpoint (buffer included)
-    torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task openr1_math.jsonl \
+    torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task openr1_math.jsonl --train-size 0 \
         --prompts-per-step 128 --mini-batches 2 --max-new-tokens 8192 --temperature 1.0 --start-acc 0.35 \
         --adv-norm none --loss-agg seq-mean-token-sum-norm --eps-high 0.2 --entropy-coef 0.001 --skip-grad-norm 500 \
         --lr 1e-6 --warmup-steps 0 --decay-steps 0 --weight-decay 0.01 --adam-beta2 0.999 --steps 700 --fsdp
@@ -19,11 +19,13 @@ current policy is replayed as one member of a group of K whose other K - 1 membe
 get the plain ratio objective (unclipped in the mixed phase), replayed tokens -A f(w) with w the ratio to the
 collecting policy and f(w) = w / (w + β) (§4.2, eq. 4). Questions solved by all K rollouts are retired for good.
 The paper's host is Dr. GRPO (r - group mean, a constant normaliser) with no KL and an entropy bonus of 0.001
-(§3.1, App. D); here the host is grpo.py's defaults, so that the two files compare on equal terms.
-Table 6's ablations are switches: --no-is-correction, --no-policy-shaping, --shaping-beta, --trajectory-choice,
---bucket-weighting question. With the paper's host, two small differences remain: Dr. GRPO's normaliser here is
-sequences x L_max where the authors' code divides by ranks x L_max (a constant factor apart), and the entropy
-bonus is aggregated like the surrogate, not as a token mean.
+(§3.1, App. D); here the host is grpo.py's defaults, so that the two files compare on equal terms, but for a
+training pool of 64 questions (--train-size; grpo.py draws from 2000) so that questions come back within a run.
+Table 6's ablations are switches: --no-is-correction, --no-policy-shaping, --trajectory-choice, --bucket-weighting
+question, --replay-ratio 0.25 / 0.75; Table 3's σ is --bucket-sigma, and f's β is --shaping-beta. With the paper's
+host, two small differences remain: Dr. GRPO's normaliser here is sequences x L_max where the authors' code divides
+by ranks x L_max (a constant factor apart), and the entropy bonus is aggregated like the surrogate, not as a token
+mean.
 
 Under torchrun each rank owns the questions whose index is its rank modulo the world size: it draws its fresh
 questions from them only, and keeps their buffer, buckets and retired set; nothing about the buffer crosses ranks.
@@ -68,7 +70,7 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 64  # problems generated for arith (ignored for data files); 64: 16 x 15 draws see each ~4 times
+    train_size: int = 64  # training problems (of a data file a sample; 0 = all); 64: 15 x 16 draws see each ~4 times
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
@@ -83,10 +85,10 @@ class Config:
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std? (paper: none)
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (paper: the last)
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (paper, Dr. GRPO)
     eps_low: float = 0.2  # clip ratio below 1 - eps_low (fresh tokens are unclipped in the mixed phase)
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher; paper: 0.2, before replay starts)
-    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    seq_ratio: bool = False  # GSPO's one length-normalised ratio per completion (its full recipe: docs/grpo.md)
     tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy (paper: 0.001)
@@ -104,10 +106,10 @@ class Config:
     mini_batches: int = 1  # M: optimizer steps per epoch
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # experience replay (ExGRPO §4); the options marked "Table 6" rerun the paper's ablations (ExGRPO Table 6)
-    replay_ratio: float = 0.5  # ρ: up to ⌊ρB⌋ of each step's B questions come from the buffer (0 = never replay)
+    replay_ratio: float = 0.5  # ρ: up to ⌊ρB⌋ of a step's B questions come from the buffer (per rank); 0 = GRPO
     # our choice: 0.15, not the paper's 0.35 (set for 7B math models): just above untrained SmolLM2's batch accuracy
     # on arith (about 0.09, docs/exgrpo.md), so replay waits for the first learning
-    start_acc: float = 0.15  # delayed start: replay begins after a step with batch accuracy above this (< 0: at once)
+    start_acc: float = 0.15  # delayed start: collect after a step with batch accuracy above this, replay from the next
     # preferred success counts k: normal, normal-acc (in k/K), linear, sqrt, uniform (over buckets); question: every
     # stored question alike, whatever its bucket (Table 6 "w/o question selection")
     bucket_weighting: str = "normal"
@@ -126,12 +128,12 @@ class Config:
     is_correction: bool = True  # w = π_θ / π_past (collector); off: π_θ / π_θold (Table 6 "w/o IS correction")
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
-    warmup_steps: int = 3  # linear warm-up from 0
+    warmup_steps: int = 3  # linear warm-up: step k <= N runs at k/N of --lr; 0 = none
     decay_steps: int = 3  # the last N steps lower the rate linearly toward 0 (N/(N+1), ..., 1/(N+1)); 0 = constant
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
-    max_grad_norm: float = 1.0  # gradient clipping
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (> 0)
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
@@ -160,9 +162,9 @@ RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model", "grou
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
-                 "eval_every", "save_every", "train_size", "max_skipped"):
+                 "eval_every", "save_every", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer"):
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer", "eval_samples", "train_size"):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
@@ -171,15 +173,17 @@ def validate(cfg: Config):
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.max_grad_norm > 0, "max_grad_norm", "a positive number (a norm of 0 would zero every gradient)")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a ρ in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
-    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling",
+          "a single process (under torchrun ranks would drop different numbers of groups)")
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
     check(0 <= cfg.replay_ratio <= 1, "replay_ratio", "a share of the batch in [0, 1]")
@@ -247,24 +251,25 @@ def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> 
     return group_max > group_min
 
 
-def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
     """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
     from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
-    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    n_loss [n]: loss tokens per completion; n_seqs / n_tokens: totals of the mini-batch.
+    Returns w [n_loss.sum()], completion after completion."""
     if agg == "token-mean":  # DAPO §3.3: every token counts the same
-        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+        w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
-        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+        w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
     else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
-        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
-    return w.repeat_interleave(lengths)
+        w = torch.full_like(n_loss, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(n_loss)
 
 
 # ----------------------------------------------------------------------------- ExGRPO: the experience buffer
 
 @dataclass
 class Trajectory:
-    tokens: tuple  # the completion's token ids, the stop token included (replayed verbatim)
+    tokens: tuple  # the completion's token ids as sampled, its stop token if it stopped (replayed verbatim)
     logp: torch.Tensor  # [len(tokens)] fp32 log π_θold of each token: the trainer's scoring pass when collected
 
 
@@ -388,7 +393,7 @@ def bucket_probs(weights: torch.Tensor, sizes: list) -> torch.Tensor:
 
 def replay_count(rho: float, B: int, n_valid: int) -> int:
     """n = min(⌊ρB⌋, |E_valid|) replayed questions in a batch of B (ExGRPO §4.2); the other B - n are fresh."""
-    return min(math.floor(rho * B + 1e-9), n_valid)  # + 1e-9: 0.3 * 10 is 2.9999999999999996 in floats
+    return min(math.floor(rho * B + 1e-9), n_valid)  # + 1e-9: 0.29 * 100 is 28.999999999999996 in floats
 
 
 def bucket_sample(buckets: dict, n: int, weights: torch.Tensor | None, gen: torch.Generator) -> list[int]:
@@ -488,8 +493,8 @@ def scored_rows(model, b: Batch, rows: torch.Tensor, micro_batch, temperature, p
 
 
 def delayed_start(mixed: bool, batch_acc: float, threshold: float) -> bool:
-    """ExGRPO §4.2: mixed-policy training begins after the first step whose batch accuracy (the mean reward over
-    all B·K rollouts) is strictly above the threshold, and never stops."""
+    """ExGRPO §4.2: mixed-policy training begins after the first step whose batch accuracy (the mean verifier
+    score, reward/acc, over all B·K rollouts) is strictly above the threshold, and never stops."""
     return mixed or batch_acc > threshold
 
 
@@ -516,7 +521,8 @@ class QuestionStream:
     def new_epoch(self, retired: set):
         self.epoch, self.pos = self.epoch + 1, 0
         active = [q for q in self.ids if q not in retired]
-        active = active if len(active) > self.B + 20 else self.ids  # our choice under torchrun: B and ids per rank
+        # the authors' B + 20 rule, with this rank's B and ids (under torchrun, per rank: our choice)
+        active = active if len(active) > self.B + 20 else self.ids
         perm = torch.randperm(len(active), generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
         self.order = [active[int(i)] for i in perm]
 
@@ -539,14 +545,16 @@ def gather(obj) -> list:
 # -------------------------------------------------------------------------------------------- loss
 
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, replayed=None, past_logp=None, **kw):
-    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
-    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
-    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
-    ExGRPO: replayed [n] bool marks the replayed tokens, past_logp [n] their log-probs under the policy that
-    collected them, π_past."""
+    """grpo.py's fused per-token loss (kernels.policy_loss, a Triton kernel on a GPU; token_loss_plain below writes
+    grpo.py's out, without the replay terms) with weight 0 on replayed tokens, which take -A f(w) instead (ExGRPO
+    eq. 4, written here). logp, entropy [n] carry gradients; old_logp, adv, ref_logp [n] and kw (weights, GSPO's
+    seq_ids, TIS's sampler_logp) are constants. ExGRPO: replayed [n] bool marks the replayed tokens, past_logp [n]
+    their log-probs under the policy that collected them, π_past."""
     shaped = replayed if replayed is not None and cfg.policy_shaping else None
     if replayed is not None and cfg.is_correction:  # importance ratio to π_past (§4.2); Table 6 "w/o IS": to π_θold
         old_logp = torch.where(replayed, past_logp, old_logp)
+        if kw.get("sampler_logp") is not None:  # replayed tokens were not sampled now: no TIS factor on them
+            kw["sampler_logp"] = torch.where(replayed, old_logp, kw["sampler_logp"])
     mask = kw.get("weights")  # the update's constant per-token factor (the GRPO-family masks), or None
     if shaped is not None:  # the clipped surrogate is 0 on replayed tokens; they take -A f(w) below instead
         kw["weights"] = (~shaped).float() * (1 if mask is None else mask)
@@ -556,9 +564,10 @@ def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, replayed=None, 
     if shaped is None:
         return loss, clipped_low, clipped_high
     # ExGRPO §4.2 eq. 4, policy shaping: -A f(w), w = π_θ / π_past, f(w) = w / (w + β) = sigmoid(log w - log β),
-    # never clipped: its gradient -A β w / (w + β)^2 ∇log π_θ lifts rare tokens (w -> 0) and damps w >> β. KL and
-    # entropy above still apply to these tokens
-    log_w = torch.where(shaped, logp - old_logp.detach(), 0.0)  # 0 elsewhere keeps exp() finite on fresh tokens
+    # never clipped: its gradient -A β w / (w + β)^2 ∇log π_θ is the plain importance-sampled one, -A w ∇log π_θ,
+    # times β / (w + β)^2: up to 1/β larger for tokens the policy has moved away from (w -> 0), damped for w >> β.
+    # KL and entropy above still apply to these tokens
+    log_w = torch.where(shaped, logp - old_logp.detach(), 0.0)  # 0 elsewhere: no non-finite ratio in the backward
     shaping = torch.where(shaped, adv * torch.sigmoid(log_w - math.log(cfg.shaping_beta)), 0.0)
     loss = loss - (shaping if mask is None else shaping * mask).to(loss.dtype)
     return loss, clipped_low & ~shaped, clipped_high & ~shaped
@@ -585,8 +594,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (and GSPO's s_i)
-    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+    if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
         loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
@@ -604,18 +613,20 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
-    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
-    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    token_loss (weights, ...). Returns summed diagnostics."""
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b, forwards through `policy` (DDP, FSDP2
+    or the model itself), steps on `model`'s parameters. adv [N]; old_logp [n_tok] π_old, None when μ = M = 1 (the
+    update's own detached forward is π_old); ref_logp [n_tok] π_ref, None without --kl-coef; loss_kw: more per-token
+    [n_tok] tensors for token_loss (weights, ...). Returns diagnostics summed over trained tokens and optimizer steps,
+    and last_grad_norm and skipped_since_last_step (optimizer steps skipped since the last one taken)."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
-    # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
-    # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
-    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    # A completion with advantage 0 (all of its group right or all wrong) adds exactly 0 to the gradient unless a
+    # term acts without the advantage (KL, entropy bonus), and one without loss tokens adds nothing: on one process
+    # both are left out of the forward and backward but kept in the aggregation's totals, so the gradient is the
+    # same. Most groups are such early and late in a run. Under torchrun every completion runs: ranks must run the
+    # same forwards (FSDP2 gathers the weights in each one, and a rank with none would skip DDP's all-reduce).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
@@ -710,14 +721,14 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
     return False
 
 
-def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
     # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
     lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
-        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "reward/zero_var_groups": n_zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
         "reward/varied_rollouts": varied_share(b.group, rewards),
         "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
         "response/truncated": (~b.finished).float().mean().item(),
@@ -744,8 +755,8 @@ METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "
 
 def exgrpo_metrics(exp: Experience, n, B, mixed, logp, old_logp, beta) -> dict:
     """The buffer's state after the step, this step's replay share, the mixed-phase flag, and the replayed tokens'
-    ratio w* = π_θ / π_old at the start of the update (π_old = π_past with the IS correction) with its shaped value
-    f(w*) = w* / (w* + β), summed over ranks first."""
+    ratio w* = π_θ / π_old at the start of the update (π_old = π_past with the IS correction; 1 without it) with
+    its shaped value f(w*) = w* / (w* + β) (logged, not applied, with --no-policy-shaping), summed over ranks."""
     w = (logp - old_logp).exp()  # [replayed tokens]
     f = w / (w + beta)
     w_sum, f_sum, count = dist.all_reduce_sum(torch.tensor([w.sum().item(), f.sum().item(), len(w)])).tolist()
@@ -782,7 +793,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
-    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    train = load_task(cfg.task, "train", n=cfg.train_size or None, seed=cfg.seed)
     # the same held-out problems for every seed (seed 0 draws them), so runs of different seeds compare directly
     held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(cfg.model)
@@ -793,8 +804,9 @@ def main(argv=None):
     ref_model = None
     if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
-    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
-    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
+    # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
+    # in fp32 on one process the model samples itself.
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
@@ -815,15 +827,17 @@ def main(argv=None):
     t_start, first_acc, skipped_in_a_row = time.time(), None, 0
     # ExGRPO's state: this rank's questions, their buffer, and whether the mixed phase has begun. our choice: a rank
     # owns the questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
+    check(len(train) >= dist.world(), "train_size", f"at least {dist.world()} questions, one or more for each process")
     exp, stream = Experience(G, cfg.max_stored), QuestionStream(range(dist.rank(), len(train), dist.world()), B, cfg.seed)
     # ρ = 0 turns ExGRPO off: no mixed phase (so no unclipped fresh tokens), no retirement: grpo.py's run exactly
+    # (on one process, with --train-size 2000; under torchrun the questions are split by rank)
     replaying = cfg.replay_ratio > 0
     mixed = replaying and cfg.start_acc < 0  # our choice: < 0 mixes from step 1 (the paper's Llama-3.1-8B base run)
     if state is not None:
         mine = saved[dist.rank()]
         exp.load_state_dict(mine["buffer"])
         stream.load_state_dict(mine["stream"])
-        mixed = mine["mixed"]
+        mixed = replaying and mine["mixed"]
     weights = bucket_weights(G, cfg.bucket_weighting, cfg.bucket_sigma)
     if start_step == 0:
         with autocast:
@@ -843,6 +857,7 @@ def main(argv=None):
         qids, replay = step_questions(exp, stream.next(exp.retired), n, weights, gen)  # [B], replay[j]: from the buffer
         problems = [train[q] for q in qids]
         contexts = [tok.prompt(format_question(p)) for p in problems]
+        # (the choice's forward over stored trajectories is timed with the sampling, perf/sample_s)
         replayed = select_trajectories(rollout, exp, [q for q, r in zip(qids, replay) if r],
                                        [c for c, r in zip(contexts, replay) if r], cfg.micro_batch, tok.pad_id, device,
                                        autocast, cfg.trajectory_score, cfg.trajectory_choice, gen)
@@ -863,8 +878,8 @@ def main(argv=None):
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
-        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
+        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -889,7 +904,8 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget gets no loss
+        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget keeps its reward in its
+            # group's advantages but gets no loss tokens (all of it is skipped)
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler.
@@ -897,10 +913,11 @@ def main(argv=None):
         # (ExGRPO App. D, Table 4), clipped before it (as the authors' code)
         update_cfg = replace(cfg, eps_low=1.0, eps_high=math.inf) if mixed else cfg
         replay_kw = {"replayed": replay_tok, "past_logp": past_logp} if n else None
-        for group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
-            group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
+        for param_group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
+            param_group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
         stats = update(policy, model, optimizer, b, adv, update_cfg, tok.pad_id, device, autocast, old_logp, ref_logp,
                        loss_kw=replay_kw)
+        # optimizer steps skipped since the last one taken, counting earlier training steps' when this one took none
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
@@ -917,12 +934,14 @@ def main(argv=None):
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
+        # reward/ and response/ count the replayed rows too (correct by construction); exgrpo/fresh_acc does not.
         # replayed trajectories were sampled in an earlier step: not this step's sampling work
         metrics["perf/sampled_tokens"] -= b_all.lengths[is_replay].sum().item()
         metrics["perf/sample_tok_s"] = metrics["perf/sampled_tokens"] / (t_sample - t0)
         w_old = past_logp if cfg.is_correction else scored_logp  # the denominator of the replayed tokens' ratio
         metrics.update(exgrpo_metrics(exp, n, B, was_mixed, scored_logp[replay_tok], w_old[replay_tok],
                                       cfg.shaping_beta))
+        metrics["exgrpo/fresh_acc"] = correct_all[~is_replay].float().mean().item()
         sums = METRIC_SUMS + EXGRPO_SUMS + tuple(k for k in metrics if k.startswith("exgrpo/bucket_"))
         # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,

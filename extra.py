@@ -5,36 +5,40 @@ signals taken from the policy's own rollouts; read it against grpo.py (`diff grp
     python extra.py --steps 2 --run-name smoke       # any option: python extra.py --help
     python extra.py --run-name NAME --resume         # continue a run from its last checkpoint
     python extra.py --no-novelty --no-regen          # the host alone: GRPO with ExTra's loss settings
-    python extra.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --kl-coef 0.001 ...   # paper scale: docs/extra.md
+    python extra.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --train-size 0 --kl-coef 0.001 ...   # docs/extra.md
 
-(i) Novelty bonus (§3.1): each rollout's answer is embedded; its novelty d is the cosine distance to its nearest
-neighbour among the prompt's last H rollouts and its siblings. Correct rollouts get α·d added to their GRPO
-advantage after the group normalisation, so all-correct groups still get a signal that prefers diverse answers.
+(i) Novelty bonus (§3.1): each rollout's response tail is embedded; its novelty d is the cosine distance to its
+nearest neighbour among the prompt's last H rollouts and its siblings (0 until the memory holds G of them). Correct
+rollouts get α·d added to their GRPO advantage after the group normalisation, so all-correct groups still get a
+signal that prefers diverse answers.
 (ii) Entropy-guided prefix regeneration (§3.2): for hard prompts (at most one correct of G), the most confident
 rollout is cut at line breaks; each prefix is scored by its mean token entropy (MTE, low = promising), smoothed
 over similar stored prefixes; prompt ++ the best prefix is queued and rolled out later as its own group, so the
 policy practises finishing from a promising partial solution. The prefix is context: it gets no loss.
-The host: grpo.py with its defaults, plus ExTra's dual clip (c = 10) in token_loss (like the PPO clip, it acts only
+The host: grpo.py with its defaults but a training pool of 48 (the memories need prompts to come back; grpo.py's
+--train-size 2000 for its pool), plus ExTra's dual clip (c = 10) in token_loss (like the PPO clip, it acts only
 off-policy: with --mini-batches or --epochs above 1, as the recipe's 2 mini-batches; at the defaults every ratio is 1).
 The paper's recipe also has a k3 KL of 0.001 to the initial model (--kl-coef 0.001); not a default, so that the
 comparison with grpo.py is on equal terms.
 
-Left out: the paper embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the initial policy, frozen,
+Left out: the authors' code embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the initial policy, frozen,
 stands in for it (mean-pooled final hidden states, centred on the mean embedding of the training problem statements;
 no second model to download). Under torchrun the memories would be per rank, so the mechanisms refuse to run there
-(the host alone runs). The rest as in grpo.py.
+(the host alone runs). Also left out: grpo.py's --refill-rounds (guided rows and hard-prompt bookkeeping assume
+B groups of G) and --loss-type cispo (the dual clip bounds PPO's clipped surrogate). The rest as in grpo.py.
 
-Ablations, as switches: each component off or varied alone. The paper's ablation table was not public when this was
-written; these rerun the ablations in the authors' scripts (curiosity only, regeneration only, α and τ sweeps, a later
+Ablations, as switches: each component off or varied alone. The paper's ablation settings are not public; these
+are the ablations in the authors' scripts (curiosity only, regeneration only, α and τ sweeps, a later
 warm-up) and the two forms of the bonus their code offers:
     --no-regen                    novelty bonus only (the recipe's "curiosity only")
     --no-novelty                  prefix regeneration only
     --no-novelty --no-regen       the host: GRPO with the dual clip (and --dual-clip 0: grpo.py's loss exactly)
-    --novelty-mode before         Option A: the bonus joins the reward before the group normalisation
+    --novelty-mode before         Option A: the bonus joins the reward before the normalisation (the authors' code's
+                                  default, α = 0.01 in their released script; the abstract's form is B, ours)
     --alpha 0.05, --alpha 0.2     the bonus scale (paper: 0.1)
     --tau 1.0, --tau 0            broader prefix-score smoothing; none (the raw MTE's argmin)
-    --regen-warmup 200            regeneration starts later (paper-scale; default here 2)
-    --no-cuttable-only            the paper's rule: cut only the most confident rollout, even without a line break
+    --regen-warmup 200            the authors' later warm-up (their recipe: 30 of 300; with --steps 15: never)
+    --no-cuttable-only            the authors' rule: cut only the most confident rollout, even without a line break
 """
 import copy
 import math
@@ -76,7 +80,7 @@ class Config:
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
     # our choice: few problems, so that 16 x 15 draws visit each 5 times (novelty needs a prompt's earlier answers)
-    train_size: int = 48  # arith problems (not data files); 48: 16 x 15 draws see each ~5 times, for its memories
+    train_size: int = 48  # training problems (of a data file a sample; 0 = all); 48: each seen ~5 times, for memories
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
@@ -91,10 +95,10 @@ class Config:
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     eps_low: float = 0.2  # clip ratio below 1 - eps_low
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
-    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    seq_ratio: bool = False  # GSPO's one length-normalised ratio per completion (its full recipe: docs/grpo.md)
     tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
     dual_clip: float = 10.0  # c: for A < 0 the loss is at most c·|A| (dual-clip PPO, as ExTra's verl recipe); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model (paper recipe: 0.001)
@@ -114,12 +118,12 @@ class Config:
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
-    warmup_steps: int = 3  # linear warm-up from 0
+    warmup_steps: int = 3  # linear warm-up: step k <= N runs at k/N of --lr; 0 = none
     decay_steps: int = 3  # the last N steps lower the rate linearly toward 0 (N/(N+1), ..., 1/(N+1)); 0 = constant
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
-    max_grad_norm: float = 1.0  # gradient clipping
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (> 0)
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
@@ -137,7 +141,7 @@ class Config:
     novelty_lambda: float = 1.0  # λ: "before" mode damps the bonus by exp(-λ·v̄), v̄ = EMA of the prompt's reward variance
     memory_size: int = 16  # H: rollout embeddings remembered per prompt (at least group_size, or novelty never starts)
     tail_tokens: int = 512  # a rollout is embedded from its last this many tokens ...
-    embed_tokens: int = 256  # ... of which the first this many (the paper's encoder truncates at 256 word pieces)
+    embed_tokens: int = 256  # ... of which the first this many (their encoder reads at most 256 word pieces)
     # ExTra (ii): entropy-guided prefix regeneration, §3.2
     regen: bool = True  # queue prompt ++ prefix of hard prompts' most confident rollouts as new groups
     regen_warmup: int = 2  # steps before regeneration starts (ExTra recipe: 30 of 300); nothing stored, queued or injected
@@ -164,9 +168,9 @@ RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
-                 "eval_every", "save_every", "train_size", "max_skipped"):
+                 "eval_every", "save_every", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer"):
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer", "eval_samples", "train_size"):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
@@ -175,15 +179,17 @@ def validate(cfg: Config):
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.max_grad_norm > 0, "max_grad_norm", "a positive number (a norm of 0 would zero every gradient)")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a ρ in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
-    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling",
+          "a single process (under torchrun ranks would drop different numbers of groups)")
     check(cfg.loss_type == "clip", "loss_type", "clip (ExTra's dual clip bounds the clipped surrogate)")
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
@@ -215,6 +221,9 @@ def check_context(model, tok, problems, cfg):
     limit = model.cfg.max_position_embeddings
     check(longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens) <= limit, "max_new_tokens/eval_max_new_tokens",
           f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
+    # ExTra: a guided prompt (prompt ++ prefix) may grow to --max-prompt-len tokens
+    check(cfg.max_prompt_len + cfg.max_new_tokens <= limit, "max_prompt_len",
+          f"at most {limit - cfg.max_new_tokens}: a guided prompt and its answer must fit the model's {limit} positions")
 
 
 # ----------------------------------------------------------------------------- rewards -> advantages
@@ -256,25 +265,26 @@ def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> 
     return group_max > group_min
 
 
-def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
     """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
     from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
-    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    n_loss [n]: loss tokens per completion; n_seqs / n_tokens: totals of the mini-batch.
+    Returns w [n_loss.sum()], completion after completion."""
     if agg == "token-mean":  # DAPO §3.3: every token counts the same
-        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+        w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
-        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+        w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
     else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
-        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
-    return w.repeat_interleave(lengths)
+        w = torch.full_like(n_loss, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(n_loss)
 
 
 def step_prompts(train, step, n, seed):
     """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
     (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
     out, perms = [], {}
-    for g in range((step - 1) * n, step * n):
-        epoch, i = divmod(g, len(train))
+    for draw in range((step - 1) * n, step * n):
+        epoch, i = divmod(draw, len(train))
         if epoch not in perms:
             perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         out.append(train[int(perms[epoch][i])])
@@ -284,12 +294,13 @@ def step_prompts(train, step, n, seed):
 # -------------------------------------------------------------------------------------------- loss
 
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
-    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
-    of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
-    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
+    """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU; token_loss_plain
+    below writes grpo.py's out, without the dual clip) with ExTra's dual clip on top, which tests/test_extra.py checks
+    against the direct formula. logp, entropy [n] carry gradients; old_logp, adv, ref_logp [n] and kw (weights,
+    GSPO's seq_ids, TIS's sampler_logp) are constants.
     ExTra's host adds the dual clip (Dual-clip PPO, Ye et al., arXiv 1912.09729; ExTra's verl recipe, c = 10): where
-    A < 0 the surrogate is at most c·|A|. With c > 1 it binds exactly on tokens with A < 0 and r > c, where the surrogate is
-    then the constant c·|A| (no gradient): those tokens get weight 0 in the fused call and the constant added.
+    A < 0 the surrogate is at most c·|A|. With c > 1 it binds exactly on tokens with A < 0 and r > c, where the
+    surrogate is then the constant c·|A| (no gradient): those tokens get weight 0 in the fused call and the constant added.
     KL and entropy are untouched."""
     capped = dual_clipped(logp, old_logp, adv, cfg.dual_clip, kw.get("seq_ids"))  # [n] bool
     scale = kw.pop("weights", None)
@@ -332,8 +343,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (and GSPO's s_i)
-    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+    if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
         loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
@@ -351,18 +362,20 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
-    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
-    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    token_loss (weights, ...). Returns summed diagnostics."""
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b, forwards through `policy` (DDP, FSDP2
+    or the model itself), steps on `model`'s parameters. adv [N]; old_logp [n_tok] π_old, None when μ = M = 1 (the
+    update's own detached forward is π_old); ref_logp [n_tok] π_ref, None without --kl-coef; loss_kw: more per-token
+    [n_tok] tensors for token_loss (weights, ...). Returns diagnostics summed over trained tokens and optimizer steps,
+    and last_grad_norm and skipped_since_last_step (optimizer steps skipped since the last one taken)."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
-    # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
-    # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
-    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    # A completion with advantage 0 (all of its group right or all wrong) adds exactly 0 to the gradient unless a
+    # term acts without the advantage (KL, entropy bonus), and one without loss tokens adds nothing: on one process
+    # both are left out of the forward and backward but kept in the aggregation's totals, so the gradient is the
+    # same. Most groups are such early and late in a run. Under torchrun every completion runs: ranks must run the
+    # same forwards (FSDP2 gathers the weights in each one, and a rank with none would skip DDP's all-reduce).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
@@ -457,14 +470,14 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
     return False
 
 
-def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
     # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
     lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
-        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "reward/zero_var_groups": n_zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
         "reward/varied_rollouts": varied_share(b.group, rewards),
         "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
         "response/truncated": (~b.finished).float().mean().item(),
@@ -494,7 +507,7 @@ METRIC_MAXES = ("response/len_max", "optim/grad_norm_max", "perf/peak_rss_gb", "
 
 def response_tail(tokens: list[int], special: set[int], tail: int, head: int) -> list[int]:
     """What a rollout's embedding reads: its last `tail` tokens without special ones (the stop token), then
-    only the first `head` of those. Our choice: `head` mirrors the paper's encoder (all-MiniLM-L6-v2), which
+    only the first `head` of those. Our choice: `head` mirrors the authors' encoder (all-MiniLM-L6-v2), which
     truncates its input at 256 word pieces, so the start of the tail is what gets embedded."""
     return [t for t in tokens if t not in special][-tail:][:head]
 
@@ -524,8 +537,8 @@ def bonus_after_norm(adv, correct, d, alpha):
 
 
 def bonus_before_norm(rewards, correct, d, alpha, var_ema, lam):
-    """Option A (the official code's earlier form): α·d joins the reward of correct rollouts before the group
-    normalisation, d scaled to the group's largest novelty and damped by exp(-λ·v̄), v̄ = var_ema, the EMA of
+    """Option A (the authors' code's default, which it calls legacy; the abstract describes B): α·d joins the
+    reward of correct rollouts before the group normalisation, d scaled to the group's largest novelty and damped by exp(-λ·v̄), v̄ = var_ema, the EMA of
     the prompt's reward variance (a prompt whose rewards already vary needs less push). Shapes [G]."""
     top = d.max()
     d = d / top if top > 1e-8 else d
@@ -583,7 +596,7 @@ def prefix_cuts(tokens: list[int], nl_ids: set[int], min_gap: int, max_cuts: int
 
 def prefix_mte(entropies: torch.Tensor, cuts: list[int]) -> torch.Tensor:
     """Mean token entropy (MTE) of each prefix, mean(H_0 .. H_{b-1}) per cut b: entropies [L] -> [len(cuts)].
-    Low MTE = the policy was confident along the way (the paper finds it anti-correlated with failure)."""
+    Low MTE = the policy was confident along the way; the authors' code continues from the lowest."""
     csum = torch.cat([torch.zeros(1, dtype=torch.float64), entropies.double().cumsum(0)])
     b = torch.tensor(cuts, dtype=torch.long)
     return (csum[b] / b).float()
@@ -639,7 +652,7 @@ def cut_rollout(tokens: list, entropies: list, nl_ids: set, min_gap: int, max_cu
     """The rollout of a hard group to cut: the one with the lowest mean token entropy, correct or not.
     Returns (its index, its cuts), (None, []) when it has no line break to cut at. cuttable_only: our
     choice for short answers, where the most confident rollout is often one line without a break: take the
-    most confident among those that can be cut (the paper takes the most confident, and then gets nothing)."""
+    most confident among those that can be cut (the authors' code takes the most confident, and then gets nothing)."""
     order = sorted(range(len(tokens)), key=lambda j: float(entropies[j].mean()) if len(tokens[j]) else float("inf"))
     for j in order if cuttable_only else order[:1]:
         cuts = prefix_cuts(tokens[j], nl_ids, min_gap, max_cuts)
@@ -685,10 +698,11 @@ def novelty_rewards(rewards, correct, d, group, keys, var_ema: dict, cfg) -> tor
 
 
 def load_encoder(model_name, device):
-    """Our stand-in for the paper's sentence encoder (all-MiniLM-L6-v2): the initial policy, frozen, so a stored
+    """Our stand-in for the authors' sentence encoder (all-MiniLM-L6-v2): the initial policy, frozen, so a stored
     embedding stays comparable with a new one of the same text (the live policy's drift by 1e-5 to 1e-3 after 1-4
     updates would rival the novelty signal, ~0.01-0.03, uncentred). Our choice: loaded for each step and dropped
-    before the update (the weights are memory-mapped: ~0.1 s to open), so the update's peak holds no second copy."""
+    before the update (on a CPU the weights are memory-mapped, ~0.1 s to open; on a GPU it is a full load each step),
+    so the update's peak holds no second copy."""
     return Transformer.from_pretrained(model_name, device=device).eval().requires_grad_(False)
 
 
@@ -719,14 +733,15 @@ def new_state() -> dict:
     return {"novelty": {}, "var_ema": {}, "prefixes": {}, "queue": []}
 
 
-def extra_metrics(state, d, correct, hard, guided, stored, cfg) -> dict:
-    """extra/ metrics of one step. d, correct [N]; hard, guided [B]."""
+def extra_metrics(state, d, bonus, correct, hard, guided, stored, cfg) -> dict:
+    """extra/ metrics of one step. d, correct [N]; bonus [N]: what each completion was paid (to its advantage, or
+    with --novelty-mode before to its 0/1 reward); hard, guided [B]."""
     right = correct > 0
     G = len(correct) // len(hard)
     return {
         "extra/novelty": d.mean().item(),  # over all completions, 0 on first visits
         "extra/bonus_share": ((d > 0) & right).sum().item() / max(right.sum().item(), 1),  # of correct completions
-        "extra/bonus_mean": (cfg.alpha * d[right]).mean().item() if cfg.novelty and right.any() else 0.0,
+        "extra/bonus_mean": bonus[right].mean().item() if cfg.novelty and right.any() else 0.0,
         "extra/hard_prompts": hard.sum().item(),
         "extra/prefixes_stored": float(stored),
         "extra/prefix_memory": float(sum(len(m) for m in state["prefixes"].values())),
@@ -755,7 +770,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
-    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    train = load_task(cfg.task, "train", n=cfg.train_size or None, seed=cfg.seed)
     # the same held-out problems for every seed (seed 0 draws them), so runs of different seeds compare directly
     held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(cfg.model)
@@ -766,8 +781,9 @@ def main(argv=None):
     ref_model = None
     if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
-    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
-    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
+    # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
+    # in fp32 on one process the model samples itself.
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
@@ -808,8 +824,9 @@ def main(argv=None):
         regen_on = cfg.regen and step > cfg.regen_warmup
         contexts, answers, guided, extra_state["queue"] = inject(
             contexts, [p.answer for p in problems], extra_state["queue"], cfg.regen_rows if regen_on else 0)
-        # ExTra §3.2 scores rollouts and prefixes by their mean token entropy at T = 1: the sampler records those
-        # entropies (our choice: from the rollout itself, π_θold's distribution at each token, not a second pass)
+        # ExTra §3.2 scores rollouts and prefixes by their mean token entropy, at T = 1 in the authors' code: the
+        # sampler records those entropies (our choice: from the rollout itself, the sampling copy's distribution at
+        # each token, not a second pass)
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank(),
@@ -818,8 +835,9 @@ def main(argv=None):
         entropy_t1 = [s.extras["entropy_at"] for g in groups for s in g] if regen_on else None  # [N] of [len]
         t_sample = time.time()
 
-        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose rewards are all equal (A ≡ 0)
+        # ---- 2. rewards; DAPO's dynamic sampling drops groups whose advantages are all 0 (equal rewards and no bonus)
         correct, rewards = verify(b, tok, cfg)  # [N]
+        verified = rewards  # the verifier's rewards, which reward/ logs (Option A adds its bonus to `rewards`)
         # ExTra §3.1: novelty of each completion against its prompt's memory (keyed by the exact context) and siblings
         keys, d = [tuple(c) for c in contexts], torch.zeros(len(b.tokens))  # d [N]
         encoder = load_encoder(cfg.model, device) if cfg.novelty or regen_on else None  # the initial weights, frozen
@@ -830,14 +848,15 @@ def main(argv=None):
             if cfg.novelty_mode == "before":  # Option A: into the reward, before the normalisation
                 rewards = novelty_rewards(rewards, correct, d, b.group, keys, extra_state["var_ema"], cfg)
         n_groups = int(b.group.max()) + 1
-        zero_var = ~varied_groups(rewards, b.group, n_groups)  # [groups]
+        zero_var = ~varied_groups(verified, b.group, n_groups)  # [groups]
         zero_adv = zero_advantage_groups(rewards, correct, d, b.group, n_groups, cfg.novelty_mode)  # ExTra: bonus too
         keep = ~zero_adv[b.group] if cfg.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
-        b_all, correct_all, rewards_all = b, correct, rewards
+        b_all, correct_all, rewards_all = b, correct, verified
+        bonus_all = rewards - verified if cfg.novelty_mode == "before" else cfg.alpha * d * (correct > 0)  # [N] paid
         b, rewards = b.select(keep), rewards[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
-        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
+        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -847,14 +866,11 @@ def main(argv=None):
         hard = is_hard(correct.view(B, G))  # [B]
         items, stored = [], 0
         if regen_on and hard.any():
-            # our choice: with --cuttable-only a rollout without a cut point is never chosen
-            can_cut = [not cfg.cuttable_only or bool(prefix_cuts(t, nl_ids, cfg.boundary_gap)) for t in b_all.tokens]
-            chosen = hard[b_all.group] & torch.tensor(can_cut, dtype=torch.bool)  # [N]
-            sub = b_all.select(chosen)
-            entropy = [entropy_t1[i] for i in chosen.nonzero()[:, 0].tolist()]  # at T = 1, as in the paper
-            of = sub.group.tolist()  # each candidate rollout's row
-            rows = [(contexts[r], answers[r], [t for t, g in zip(sub.tokens, of) if g == r],
-                     [h for h, g in zip(entropy, of) if g == r]) for r in hard.nonzero()[:, 0].tolist()]
+            rows = []  # (context, answer, its G rollouts' tokens, their entropies at T = 1) per hard row
+            for r in hard.nonzero()[:, 0].tolist():
+                members = (b_all.group == r).nonzero()[:, 0].tolist()
+                rows.append((contexts[r], answers[r], [b_all.tokens[i] for i in members],
+                             [entropy_t1[i] for i in members]))
             items, stored = regenerate(extra_state, rows, lambda s: embed_texts(encoder, s, centre, tok.pad_id, autocast),
                                        nl_ids, cfg)
             extra_state["queue"] = push_queue(extra_state["queue"], items, cfg.queue_size)
@@ -863,15 +879,17 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget gets no loss
+        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget keeps its reward in its
+            # group's advantages but gets no loss tokens (all of it is skipped)
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
         if cfg.novelty and cfg.novelty_mode == "after":  # Option B (ExTra's abstract: after GRPO normalization)
             adv = bonus_after_norm(adv, correct[keep], d[keep], cfg.alpha)
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
-        for group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
-            group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
+        for param_group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
+            param_group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
+        # optimizer steps skipped since the last one taken, counting earlier training steps' when this one took none
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
@@ -885,7 +903,7 @@ def main(argv=None):
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
-        metrics.update(extra_metrics(extra_state, d, correct, hard, guided, stored, cfg))
+        metrics.update(extra_metrics(extra_state, d, bonus_all, correct, hard, guided, stored, cfg))
         # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
                   "policy/": stats["tokens"]}

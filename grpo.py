@@ -15,7 +15,8 @@ efficient RL framework secretly brings you off-policy RL training").
 
 The step is a flat batch of completions, each with its own context (the token ids it was sampled from), a group
 id (groups may differ in size) and a count of leading completion tokens that get no loss. GRPO uses one group of
-G per prompt and no excluded tokens; the variants use the rest.
+G per prompt and excludes tokens only with --overlong-mask (all of a truncated completion's); the variants use the
+rest.
 
 The GRPO-family options that other frameworks offer are flags here, all off by default: DAPO's dynamic
 sampling with refill and overlong handling, CISPO, masking of sampler/trainer mismatch (IcePop, DeepSeek-V3.2),
@@ -58,7 +59,7 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 2000  # problems generated for arith (ignored for data files)
+    train_size: int = 2000  # training problems: generated (arith), or a seeded sample of a file's; 0 = the whole file
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
@@ -73,10 +74,10 @@ class Config:
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     eps_low: float = 0.2  # clip ratio below 1 - eps_low
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
-    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    seq_ratio: bool = False  # GSPO's one length-normalised ratio per completion (its full recipe: docs/grpo.md)
     tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
@@ -96,12 +97,12 @@ class Config:
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
-    warmup_steps: int = 3  # linear warm-up from 0
+    warmup_steps: int = 3  # linear warm-up: step k <= N runs at k/N of --lr; 0 = none
     decay_steps: int = 3  # the last N steps lower the rate linearly toward 0 (N/(N+1), ..., 1/(N+1)); 0 = constant
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
-    max_grad_norm: float = 1.0  # gradient clipping
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (> 0)
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
@@ -126,9 +127,9 @@ RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
-                 "eval_every", "save_every", "train_size", "max_skipped"):
+                 "eval_every", "save_every", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer"):
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer", "eval_samples", "train_size"):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
@@ -137,17 +138,19 @@ def validate(cfg: Config):
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.max_grad_norm > 0, "max_grad_norm", "a positive number (a norm of 0 would zero every gradient)")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.refill_rounds == 0 or cfg.refill_rounds > 0 and cfg.dynamic_sampling, "refill_rounds",
           "0, or a positive count with --dynamic-sampling (which drops the groups to refill)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a ρ in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
-    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling",
+          "a single process (under torchrun ranks would drop different numbers of groups)")
     check(cfg.prompts_per_step // dist.world() * cfg.group_size >= cfg.mini_batches, "mini_batches",
           "at most the completions per step on each rank (prompts_per_step / world * group_size)")
 
@@ -206,25 +209,26 @@ def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> 
     return group_max > group_min
 
 
-def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
     """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
     from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
-    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    n_loss [n]: loss tokens per completion; n_seqs / n_tokens: totals of the mini-batch.
+    Returns w [n_loss.sum()], completion after completion."""
     if agg == "token-mean":  # DAPO §3.3: every token counts the same
-        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+        w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
-        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+        w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
     else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
-        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
-    return w.repeat_interleave(lengths)
+        w = torch.full_like(n_loss, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(n_loss)
 
 
 def step_prompts(train, step, n, seed):
     """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
     (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
     out, perms = [], {}
-    for g in range((step - 1) * n, step * n):
-        epoch, i = divmod(g, len(train))
+    for draw in range((step - 1) * n, step * n):
+        epoch, i = divmod(draw, len(train))
         if epoch not in perms:
             perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         out.append(train[int(perms[epoch][i])])
@@ -263,7 +267,8 @@ def refill(rollout, tok, train, step, b: Batch, rewards, cfg, autocast):
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
     """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
     of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
-    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
+    Returns ℓ [n] and the clip's cuts, clipped_low and clipped_high [n] bool (CISPO: where its weight was clipped)."""
     if cfg.loss_type == "cispo":  # the unclipped surrogate r·A times the constant min(r, 1 + ε_high) / r: CISPO's
         ratio = cispo_ratio(logp, old_logp, kw.get("seq_ids"))  # value and gradient, in the same fused pass
         weight = ratio.clamp(max=1 + cfg.eps_high) / ratio
@@ -302,8 +307,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (and GSPO's s_i)
-    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+    if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
         loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
@@ -321,18 +326,20 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
-    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
-    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    token_loss (weights, ...). Returns summed diagnostics."""
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b, forwards through `policy` (DDP, FSDP2
+    or the model itself), steps on `model`'s parameters. adv [N]; old_logp [n_tok] π_old, None when μ = M = 1 (the
+    update's own detached forward is π_old); ref_logp [n_tok] π_ref, None without --kl-coef; loss_kw: more per-token
+    [n_tok] tensors for token_loss (weights, ...). Returns diagnostics summed over trained tokens and optimizer steps,
+    and last_grad_norm and skipped_since_last_step (optimizer steps skipped since the last one taken)."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
-    # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
-    # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
-    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    # A completion with advantage 0 (all of its group right or all wrong) adds exactly 0 to the gradient unless a
+    # term acts without the advantage (KL, entropy bonus), and one without loss tokens adds nothing: on one process
+    # both are left out of the forward and backward but kept in the aggregation's totals, so the gradient is the
+    # same. Most groups are such early and late in a run. Under torchrun every completion runs: ranks must run the
+    # same forwards (FSDP2 gathers the weights in each one, and a rank with none would skip DDP's all-reduce).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
@@ -427,14 +434,14 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
     return False
 
 
-def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
     # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
     lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
-        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "reward/zero_var_groups": n_zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
         "reward/varied_rollouts": varied_share(b.group, rewards),
         "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
         "response/truncated": (~b.finished).float().mean().item(),
@@ -479,7 +486,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
-    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    train = load_task(cfg.task, "train", n=cfg.train_size or None, seed=cfg.seed)
     # the same held-out problems for every seed (seed 0 draws them), so runs of different seeds compare directly
     held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(cfg.model)
@@ -490,8 +497,9 @@ def main(argv=None):
     ref_model = None
     if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
-    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
-    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+    # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
+    # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
+    # in fp32 on one process the model samples itself.
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
@@ -540,10 +548,11 @@ def main(argv=None):
         b, rewards = b.select(keep), rewards[keep]
         refilled = rounds = 0
         if cfg.refill_rounds:  # DAPO Alg. 1: sample further prompts until B groups have varied rewards
+            # (the reward/ and response/ metrics describe b_all, the first round; the refill's time is perf/score_s's)
             b, rewards, refilled, rounds = refill(rollout, tok, train, step, b, rewards, cfg, autocast)
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
-        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
+        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -553,13 +562,15 @@ def main(argv=None):
 
         # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget gets no loss
+        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget keeps its reward in its
+            # group's advantages but gets no loss tokens (all of it is skipped)
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
-        for group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
-            group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
+        for param_group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
+            param_group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
+        # optimizer steps skipped since the last one taken, counting earlier training steps' when this one took none
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "

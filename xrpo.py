@@ -13,26 +13,30 @@
     python xrpo.py                                   # SmolLM2-135M-Instruct on generated arithmetic, 2-core CPU
     python xrpo.py --steps 2 --run-name smoke        # any option: python xrpo.py --help
     python xrpo.py --run-name NAME --resume          # continue a run (the ICL corpus is in the checkpoint)
-    python xrpo.py --alloc uniform                   # Table 5's ablations: w/o HRP (rounds kept, split evenly),
-    python xrpo.py --no-icl                          #   w/o ICL,
+    python xrpo.py --alloc uniform                   # ablations: w/o HRP (§4.3, Fig. 3b; rounds kept, split evenly),
+    python xrpo.py --no-icl                          #   w/o ICL (Table 5),
     python xrpo.py --nov-lambda 0                    #   w/o AS (both: w/o AS+ICL)
     python xrpo.py --icl-init 64                     # the corpus seeded from the base model's answers (Alg. 1's C_init)
     python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all off: python grpo.py, bit for bit
-    torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --prompts-per-step 16 \
+    torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --train-size 0 --prompts-per-step 16 \
         --group-size 8 --base-rollouts 4 --rounds 2 --icl-shots 2 --icl-max-len 8192 --kl-coef 0.001 \
         --max-new-tokens 16384 --temperature 1.0 --lr 2e-6 --decay-steps 0 ...   # the paper's setting (§4.1)
 
-A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at equal
-sampling cost. The CPU defaults plan one round and show one exemplar where the paper uses two of each: each round
-is another sampling call and each exemplar 60-90 more prompt tokens (the comments at --rounds and --icl-shots).
+A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at an equal
+number of rollouts (not in equal time: each round is another sampling call, and in-context prompts are longer).
+The CPU defaults plan one round and show one exemplar where the paper uses two of each: each round is another
+sampling call and each exemplar 60-90 more prompt tokens (the comments at --rounds and --icl-shots).
 The loss is grpo.py's (token-mean, clip 0.2/0.28); the paper adds a KL at β = 0.001 (§4.1), off here as in grpo.py
 (--kl-coef 0.001 adds it: a reference model and its forward); --seq-ratio gives XRPO on GSPO. Problem statements
 are embedded by the policy's own initial weights (pooled final hidden states) instead of the paper's
 separate Qwen3-Embedding-8B, once before the first update: no second model. Evaluation never uses ICL (§4.1).
 
-Left out on purpose: a format reward (off by default, --format-reward adds it), length penalties,
-refilling groups dropped by dynamic sampling (we drop them and log how many), value models. From XRPO: a per-prompt
-cap on the allocation, and re-conditioning ICL rollouts on the plain prompt (they train in theirs).
+Off by default, as in grpo.py: a format reward (--format-reward) and DAPO's overlong penalty (--overlong-buffer).
+Left out: value models; grpo.py's refill of groups dropped by dynamic sampling (a refill samples beyond the B×G
+budget that the planner splits; we drop them and log how many); a per-prompt cap on the allocation and
+re-conditioning ICL rollouts on the plain prompt for the update (neither is in the paper; ICL rollouts train in
+their own prompt, sample_rounds says why). The authors link their code (github.com/UIUC-MLSys/XRPO), but we could
+not read it: where the paper leaves a choice open, the code says "our choice".
 """
 import copy
 import functools
@@ -73,7 +77,7 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 2000  # problems generated for arith (ignored for data files)
+    train_size: int = 2000  # training problems: generated (arith), or a seeded sample of a file's; 0 = the whole file
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
@@ -87,12 +91,12 @@ class Config:
     top_p: float = 1.0  # nucleus sampling (1 = off); log-probs stay those of the full softmax
     format_reward: float = 0.0  # added to the reward when the answer is written in \boxed{}
     # hierarchical rollout planning (XRPO §3.2): a step samples B×G rollouts in all, as grpo.py does; G is the mean
-    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (§4.1: 4; >= 3 advised, >= 2 required)
+    base_rollouts: int = 4  # n_base: rollouts every prompt gets first (§4.1: 4; >= 2, or Δ has no spread to read)
     # N_plan: rounds that split the other B×(G - n_base) rollouts (§4.1: 2). 1 here: each round is one more sampling
     # call, and on a CPU a call of 32 rows costs over half of one of 128 (docs/xrpo.md); --rounds 2 is the paper's
     rounds: int = 1
     # proportional: T·Π/ΣΠ, largest remainder; greedy: one unit at a time to the highest Π (eq. 3); uniform: T/B each,
-    # the "w/o HRP" ablation (Table 5), which keeps the rounds, so ICL still seeds and AS still sharpens
+    # the "w/o HRP" ablation (§4.3, Fig. 3b), which keeps the rounds, so ICL still seeds and AS still sharpens
     alloc: str = "proportional"
     alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (Table 4b)
     alloc_conf: float = 0.95  # confidence level of the t-interval behind Δ (our reading of Table 4b's "α" column)
@@ -102,11 +106,11 @@ class Config:
     # in-context prompt's prefill and training forward (docs/xrpo.md); --icl-shots 2 is the paper's
     icl_shots: int = 1
     # longest in-context prompt in tokens, exemplars shortened to fit (paper: 8192, its prompt window). With answers of
-    # at most 48 tokens two arithmetic exemplars make at most ~230 tokens, so it binds only on longer tasks
+    # at most 48 tokens two arithmetic exemplars make at most ~270 tokens, so it binds only on longer tasks
     icl_max_len: int = 1024
     icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent (our choice: the paper never prunes)
-    # C_init (Alg. 1, §4.2): training problems the base model samples n_base times before step 1, its correct answers
-    # seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training (its
+    # C_init (Alg. 1; §3.2, §4.2): training problems the base model samples n_base times before step 1, its correct
+    # answers seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training (its
     # solutions stay in the corpus, and matter most at step 1, before the run's own correct rollouts join them)
     icl_init: int = 0
     # novelty-guided advantage sharpening (XRPO §3.3, eq. 6); --nov-lambda 0 is the "w/o AS" ablation (Table 5)
@@ -115,10 +119,10 @@ class Config:
     nov_all_correct: bool = False  # our option: all-correct groups (A = 0) get bonuses too, capped at κ
     # advantages and loss
     adv_norm: str = "std"  # std (GRPO) or none (Dr. GRPO): divide group-centred rewards by their std?
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
     eps_low: float = 0.2  # clip ratio below 1 - eps_low
     eps_high: float = 0.28  # clip ratio above 1 + eps_high (DAPO clip-higher)
-    seq_ratio: bool = False  # GSPO: one length-normalised ratio per completion instead of one per token
+    seq_ratio: bool = False  # GSPO's one length-normalised ratio per completion (its full recipe: docs/grpo.md)
     tis_cap: float = 0.0  # C: correct for the sampler copy by ρ = π_train / π_sampler, truncated min(ρ, C); 0 = off
     kl_coef: float = 0.0  # β: k3 KL to the initial model; 0 loads no reference model (paper: 0.001, §4.1)
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts this times the token entropy
@@ -137,16 +141,16 @@ class Config:
     micro_batch: int = 8  # completions per forward/backward (gradient accumulation; no effect on the math)
     # optimizer
     lr: float = 3e-5  # AdamW learning rate after warm-up
-    warmup_steps: int = 3  # linear warm-up from 0
+    warmup_steps: int = 3  # linear warm-up: step k <= N runs at k/N of --lr; 0 = none
     decay_steps: int = 3  # the last N steps lower the rate linearly toward 0 (N/(N+1), ..., 1/(N+1)); 0 = constant
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW β1
     adam_beta2: float = 0.99  # AdamW β2
-    max_grad_norm: float = 1.0  # gradient clipping
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (> 0)
     skip_grad_norm: float = 0.0  # skip an optimizer step whose gradient norm exceeds this (0 = only non-finite ones)
     max_skipped: int = 3  # this many skipped optimizer steps in a row stop the run
     grad_checkpointing: bool = True  # recompute each block's activations in backward: far less memory, some more time
-    fsdp: bool = False  # FSDP2 instead of DDP: refused under torchrun (ranks train different numbers of completions)
+    fsdp: bool = False  # FSDP2: refused under torchrun (ranks train different numbers of completions)
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
     eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
@@ -168,9 +172,9 @@ RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
-                 "eval_every", "save_every", "train_size", "max_skipped"):
+                 "eval_every", "save_every", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")
-    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer"):
+    for name in ("eval_max_new_tokens", "warmup_steps", "decay_steps", "overlong_buffer", "eval_samples", "train_size"):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
@@ -179,15 +183,17 @@ def validate(cfg: Config):
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
           "lr > 0, kl_coef >= 0 and entropy_coef >= 0")
+    check(cfg.max_grad_norm > 0, "max_grad_norm", "a positive number (a norm of 0 would zero every gradient)")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a ρ in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
-    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling", "a single process (not yet under torchrun)")
+    check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling",
+          "a single process (under torchrun ranks would drop different numbers of groups)")
     # the allocation spreads the batch's rollouts over all prompts, so ranks hold different numbers of completions
     # and run different numbers of forwards: DDP is fine with that, FSDP2 (a weight gather in each forward) is not
     check(not (cfg.fsdp and dist.world() > 1), "fsdp", "off under torchrun (DDP: XRPO's ranks train different numbers "
@@ -248,25 +254,26 @@ def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> 
     return group_max > group_min
 
 
-def token_weights(lengths: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
+def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: int, n_tokens: int) -> torch.Tensor:
     """Per-token factor w_t so that Σ_t w_t ℓ_t is the aggregated loss of the whole mini-batch. Computed
     from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
-    lengths [n]: tokens with a loss per completion; n_seqs / n_tokens: totals of the mini-batch."""
+    n_loss [n]: loss tokens per completion; n_seqs / n_tokens: totals of the mini-batch.
+    Returns w [n_loss.sum()], completion after completion."""
     if agg == "token-mean":  # DAPO §3.3: every token counts the same
-        w = torch.full_like(lengths, 1.0 / max(n_tokens, 1), dtype=torch.float32)
+        w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
-        w = 1.0 / (lengths.float().clamp(min=1) * max(n_seqs, 1))
+        w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
     else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
-        w = torch.full_like(lengths, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
-    return w.repeat_interleave(lengths)
+        w = torch.full_like(n_loss, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
+    return w.repeat_interleave(n_loss)
 
 
 def step_prompts(train, step, n, seed):
     """The n prompts of a step: walk a fresh seeded permutation of the train set each epoch. A function of
     (step, seed) alone, so a resumed run sees the same prompts as an uninterrupted one."""
     out, perms = [], {}
-    for g in range((step - 1) * n, step * n):
-        epoch, i = divmod(g, len(train))
+    for draw in range((step - 1) * n, step * n):
+        epoch, i = divmod(draw, len(train))
         if epoch not in perms:
             perms[epoch] = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         out.append(train[int(perms[epoch][i])])
@@ -340,7 +347,7 @@ def allocate(rewards: list[list[float]], budget: int, lam: float, conf: float, m
       fractional parts, ties to the higher Π, then the lower prompt index. The sum is exactly T.
     greedy: one unit at a time to the highest Π, recomputed with n_q + 1 after each unit (eq. 3 read as "the
       priority for the next rollout"); ties to the lower index.
-    uniform: T/B each, the leftover units to the lowest indices (the "w/o HRP" ablation, Table 5)."""
+    uniform: T/B each, the leftover units to the lowest indices (the "w/o HRP" ablation, §4.3)."""
     B = len(rewards)
     if mode == "greedy":
         got = [0] * B
@@ -493,10 +500,10 @@ class Corpus:
 
 
 def embed_statements(corpus, initial, statements: list[str], cfg, tok, device):
-    """The neighbour index (§4.1: precomputed over the training set): the statements a run will draw, embedded by the
-    initial weights before the first update, so no frozen copy is held through the run; the same vectors as embedding
-    the whole training set at start, for only the problems the run visits. initial: the model while it still holds
-    the initial weights, or None (a resumed run), which loads them for this alone."""
+    """The neighbour index (§4.2: neighbours precomputed over the training set): the statements a run will draw,
+    embedded by the initial weights before the first update, so no frozen copy is held through the run; the same
+    vectors as embedding the whole training set at start, for only the problems the run visits. initial: the model
+    while it still holds the initial weights, or None (a resumed run), which loads them for this alone."""
     if any(p not in corpus.vectors for p in statements):
         model = initial if initial is not None else Transformer.from_pretrained(cfg.model, device=device)
         corpus.embed_new(model, tok, statements)
@@ -510,16 +517,17 @@ def initial_problems(train, cfg) -> list:
 
 
 def seed_corpus(rollout, tok, problems, corpus, cfg, seed, autocast):
-    """C_init (Alg. 1, §4.2: the corpus "grows from baseline-correct solutions"): n_base samples of each problem from
-    the base model, plain prompts; the correct ones join the corpus. Every rank samples its share."""
+    """C_init (Alg. 1; §3.2: the corpus "grows conservatively from baseline-correct solutions"): n_base samples of
+    each problem from the base model, plain prompts; the correct ones join the corpus. Every rank samples its share."""
     mine = dist.shard(problems)
     with torch.no_grad(), autocast:
         groups = generate(rollout, [tok.prompt(format_question(p)) for p in mine], n=cfg.base_rollouts,
                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                           stop_ids=tok.stop_ids, seed=seed)
     rows = [(p, tok.decode(s.tokens, skip_special=True)) for p, g in zip(mine, groups) for s in g]
-    update_corpus(corpus, gather([p.prompt for p, _ in rows]), gather([t for _, t in rows]),
-                  gather([score(t, p.answer) for p, t in rows]))
+    everyone = dist.all_gather_list  # every rank's rows, rank after rank: the corpus is one on every rank
+    update_corpus(corpus, everyone([p.prompt for p, _ in rows]), everyone([t for _, t in rows]),
+                  everyone([score(t, p.answer) for p, t in rows]))
 
 
 # ---------------------------------------------------- novelty-guided advantage sharpening (XRPO §3.3, eqs 4-6)
@@ -531,18 +539,19 @@ def sequence_scores(token_logp: torch.Tensor, lengths: torch.Tensor) -> torch.Te
     return (sums / lengths.clamp(min=1)).float()
 
 
-def sharpen(adv, correct, score, group, lam_nov: float, kappa: float, all_correct_cap: bool = False):
-    """A⁺ (eq. 6) for every rollout, and the bonus added. adv, correct, score, group: [N] (group = group id).
+def sharpen(adv, correct, seq_logp, group, lam_nov: float, kappa: float, all_correct_cap: bool = False):
+    """A⁺ (eq. 6) for every rollout, and the bonus added. adv, correct, seq_logp (s, eq. 4), group: [N] (group id).
 
-    η_i = exp(s_i - s̄) with s̄ the mean score of ALL rollouts of i's group (eq. 5 averages over the N sampled
-    rollouts). Only correct rollouts get min(max(λ_nov (1 - η_i), 0), κ A_i). Taken literally, an all-correct
-    group (A = 0) gets no bonus; all_correct_cap (our option) caps those at κ instead, for the paper's remark
-    that degenerate groups gain signal (§3.3)."""
+    η_i = exp(s_i - s̄) with s̄ the mean s of ALL rollouts of i's group, right and wrong, plain and in-context, each in
+    its own context (eq. 5's N rollouts read as the group's: §3.3 calls η relative to the group). Only correct
+    rollouts get min(max(λ_nov (1 - η_i), 0), κ A_i). Taken literally, an all-correct group (A = 0) gets no bonus;
+    all_correct_cap (our option) caps those at κ instead, for the paper's remark that degenerate groups gain signal
+    (§3.3)."""
     n_groups = int(group.max()) + 1 if len(group) else 0
-    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, score.double())
+    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, seq_logp.double())
     counts = torch.bincount(group, minlength=n_groups).double()
     mean = (sums / counts)[group]  # s̄ of each rollout's group
-    eta = torch.exp(score.double() - mean)
+    eta = torch.exp(seq_logp.double() - mean)
     cap = kappa * adv.double()
     if all_correct_cap:
         n_correct = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, correct.double())
@@ -555,15 +564,6 @@ def sharpen(adv, correct, score, group, lam_nov: float, kappa: float, all_correc
 
 
 # ------------------------------------------------------------------------------- one XRPO step's rollouts
-
-def gather(items: list) -> list:
-    """Every rank's items, rank after rank: the round plans and the corpus are the whole batch's."""
-    if not dist.is_distributed():
-        return items
-    out = [None] * dist.world()
-    torch.distributed.all_gather_object(out, items)
-    return [x for part in out for x in part]
-
 
 def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast):
     """Alg. 1 lines 4-16: n_base rollouts of every prompt, then cfg.rounds rounds, each splitting its budget T by the
@@ -585,7 +585,7 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
     prompt_kv = {}
     for r in range(len(budgets) + 1):
         if r > 0:  # our choice: the allocator reads the verifier's 0/1, not the optional format term
-            plan = allocate(gather(so_far), budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, cfg.alloc)
+            plan = allocate(dist.all_gather_list(so_far), budgets[r - 1], cfg.alloc_lambda, cfg.alloc_conf, cfg.alloc)
             plan = plan[dist.rank() * B:(dist.rank() + 1) * B]  # this rank's prompts (gather is rank after rank)
             round_ctx = round_contexts(tok, [p.prompt for p in problems], contexts, so_far, plan, corpus,
                                        cfg.icl_shots, cfg.icl_max_len, icl=cfg.icl)
@@ -609,12 +609,12 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
 def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corpus) -> dict:
     """The evidence that XRPO's mechanisms act: uneven allocation, ICL use and success, bonuses, corpus size.
     per_prompt: rollouts of each prompt of every rank; group, icl, correct [N]: this rank's rollouts; kept_correct,
-    bonus: those trained on (dynamic sampling may drop groups). Counts here are summed over ranks; xrpo_rates turns
-    them into rates."""
+    bonus: those trained on (dynamic sampling may drop groups). The XRPO_SUMS counts are this rank's, summed over
+    ranks, and xrpo_rates turns them into rates; rollouts_* and hist_* are every rank's prompts already; the corpus
+    is one on every rank."""
     n, B = torch.tensor(per_prompt, dtype=torch.float), len(per_prompt)
-    seeded, solved = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
-    seeded[group[icl]] = True
-    solved[group[icl & (correct == 1)]] = True  # ICL broke the prompt's zero-reward symmetry
+    seeded = group[icl].unique()  # this rank's prompts sampled from an in-context prompt
+    solved = group[icl & (correct == 1)].unique()  # ... whose zero-reward symmetry ICL broke
     G, base = cfg.group_size, cfg.base_rollouts
     share = lambda mask: mask.float().mean().item()  # noqa: E731
     return {
@@ -622,8 +622,9 @@ def xrpo_metrics(per_prompt, cfg, group, icl, correct, kept_correct, bonus, corp
         "xrpo/rollouts_std": n.std().item() if B > 1 else 0.0,
         # histogram: shares of prompts with n_base only, fewer than G, G to 2G-1, 2G or more rollouts
         "xrpo/hist_base": share(n == base), "xrpo/hist_below_G": share((n > base) & (n < G)),
-        "xrpo/hist_G_to_2G": share((n >= G) & (n < 2 * G)), "xrpo/hist_2G_up": share(n >= 2 * G),
-        "xrpo/seeded_prompts": float(seeded.sum()), "xrpo/seeded_solved": float(solved.sum()),
+        "xrpo/hist_G_to_2G": share((n > base) & (n >= G) & (n < 2 * G)),
+        "xrpo/hist_2G_up": share((n > base) & (n >= 2 * G)),
+        "xrpo/seeded_prompts": float(len(seeded)), "xrpo/seeded_solved": float(len(solved)),
         "xrpo/icl_rollouts": float(icl.sum()), "xrpo/icl_correct": float(correct[icl].sum()),
         "xrpo/plain_rollouts": float((~icl).sum()), "xrpo/plain_correct": float(correct[~icl].sum()),
         "xrpo/bonus_given": float((bonus > 0).sum()), "xrpo/bonus_sum": float(bonus.sum()),
@@ -652,7 +653,8 @@ XRPO_MAXES = ("xrpo/rollouts_max",)
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
     """GRPO's per-token loss ℓ_t in one fused pass (kernels.policy_loss, a Triton kernel on a GPU): exactly the lines
     of token_loss_plain below, which tests/test_grpo.py checks it against. logp, entropy [n] carry gradients;
-    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants."""
+    old_logp, adv, ref_logp [n] and kw (weights, GSPO's seq_ids, TIS's sampler_logp) are constants.
+    Returns ℓ [n] and the clip's cuts, clipped_low and clipped_high [n] bool (CISPO: where its weight was clipped)."""
     if cfg.loss_type == "cispo":  # the unclipped surrogate r·A times the constant min(r, 1 + ε_high) / r: CISPO's
         ratio = cispo_ratio(logp, old_logp, kw.get("seq_ids"))  # value and gradient, in the same fused pass
         weight = ratio.clamp(max=1 + cfg.eps_high) / ratio
@@ -691,8 +693,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (and GSPO's s_i)
-    if weights is not None:  # a constant per-token factor (a variant's importance weight)
+        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+    if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
         loss = loss * (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)
@@ -710,18 +712,20 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
 
 def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocast, old_logp=None, ref_logp=None,
            loss_kw=None):
-    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b. adv [N]; old_logp, ref_logp [n_tok]
-    (None: with μ = M = 1 the update's own forward is π_old); loss_kw: more per-token [n_tok] tensors for
-    token_loss (weights, ...). Returns summed diagnostics."""
+    """μ epochs x M mini-batches of clipped policy-gradient steps on batch b, forwards through `policy` (DDP, FSDP2
+    or the model itself), steps on `model`'s parameters. adv [N]; old_logp [n_tok] π_old, None when μ = M = 1 (the
+    update's own detached forward is π_old); ref_logp [n_tok] π_ref, None without --kl-coef; loss_kw: more per-token
+    [n_tok] tensors for token_loss (weights, ...). Returns diagnostics summed over trained tokens and optimizer steps,
+    and last_grad_norm and skipped_since_last_step (optimizer steps skipped since the last one taken)."""
     N, lengths = len(b.tokens), b.lengths
     n_train = lengths - b.skip  # loss tokens per completion
     tok_adv = adv.repeat_interleave(lengths)  # [n_tok]
     mini = [list(range(m * N // cfg.mini_batches, (m + 1) * N // cfg.mini_batches)) for m in range(cfg.mini_batches)]
-    # A completion with advantage 0 (all of a group right or all wrong) adds exactly 0 to the gradient unless a term
-    # acts without the advantage (KL, entropy bonus): leave it out of the forward and backward, but keep it in the
-    # aggregation's totals, so the gradient is the same. Most groups are such early and late in a run. Not under
-    # torchrun: there every rank must run the same forwards (FSDP2 gathers the weights in each one, and a rank with
-    # none would skip DDP's all-reduce), a completion without loss tokens too (--overlong-mask leaves such).
+    # A completion with advantage 0 (all of its group right or all wrong) adds exactly 0 to the gradient unless a
+    # term acts without the advantage (KL, entropy bonus), and one without loss tokens adds nothing: on one process
+    # both are left out of the forward and backward but kept in the aggregation's totals, so the gradient is the
+    # same. Most groups are such early and late in a run. Under torchrun every completion runs: ranks must run the
+    # same forwards (FSDP2 gathers the weights in each one, and a rank with none would skip DDP's all-reduce).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
@@ -816,14 +820,14 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
     return False
 
 
-def step_metrics(b: Batch, correct, rewards, n_groups, zero_var, dropped, stats, times) -> dict:
+def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
     # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
     lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
-        "reward/zero_var_groups": zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
+        "reward/zero_var_groups": n_zero_var / max(n_groups, 1), "reward/groups_dropped": float(dropped),
         "reward/varied_rollouts": varied_share(b.group, rewards),
         "response/len_mean": lengths.mean().item(), "response/len_max": lengths.max().item(),
         "response/truncated": (~b.finished).float().mean().item(),
@@ -868,7 +872,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
 
     # data first: a bad task or data line fails before the model is loaded
-    train = load_task(cfg.task, "train", n=cfg.train_size, seed=cfg.seed)
+    train = load_task(cfg.task, "train", n=cfg.train_size or None, seed=cfg.seed)
     # the same held-out problems for every seed (seed 0 draws them), so runs of different seeds compare directly
     held_out = load_task(cfg.task, "test", n=cfg.eval_size, seed=0)[: cfg.eval_size]
     tok = Tokenizer.from_pretrained(cfg.model)
@@ -883,12 +887,13 @@ def main(argv=None):
     corpus = Corpus(per_problem=cfg.icl_per_problem)
     if state is not None:
         corpus.load_state_dict(state["extra"]["xrpo_corpus"])
-    seeded = initial_problems(train, cfg) if cfg.icl and state is None else []  # C_init (Alg. 1), sampled below
+    init_problems = initial_problems(train, cfg) if cfg.icl and state is None else []  # C_init (Alg. 1), sampled below
     if cfg.icl:
         run = step_prompts(train, 1, cfg.steps * cfg.prompts_per_step, cfg.seed)  # every problem this run draws
-        embed_statements(corpus, None if ckpt else model, [p.prompt for p in run + seeded], cfg, tok, device)
-    # Rollouts come from a whole copy of the weights in the compute dtype, refreshed after each update
-    # (sampling is memory-bound: bf16 weights read half the bytes; and FSDP2's sharded weights cannot sample).
+        embed_statements(corpus, None if ckpt else model, [p.prompt for p in run + init_problems], cfg, tok, device)
+    # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
+    # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
+    # in fp32 on one process the model samples itself.
     separate = dtype != torch.float32 or (cfg.fsdp and dist.is_distributed())
     rollout = copy.deepcopy(model).to(dtype).requires_grad_(False) if separate else model
     policy = dist.wrap(model, fsdp=cfg.fsdp)  # DDP, FSDP2, or the model itself
@@ -915,8 +920,8 @@ def main(argv=None):
         with autocast:
             last = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
         log.log(start_step, last)
-    if seeded:  # C_init: the base model's correct samples seed the corpus before the first update
-        seed_corpus(rollout, tok, seeded, corpus, cfg, cfg.seed * 1_000_003 + dist.rank(), autocast)
+    if init_problems:  # C_init: the base model's correct samples seed the corpus before the first update
+        seed_corpus(rollout, tok, init_problems, corpus, cfg, cfg.seed * 1_000_003 + dist.rank(), autocast)
 
     for step in range(start_step + 1, cfg.steps + 1):
         # ---- 1. sample (XRPO Alg. 1): n_base rollouts of each of this rank's prompts, then rounds that spend the
@@ -938,8 +943,8 @@ def main(argv=None):
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update (π_old, and π_ref). With μ = M = 1
-        # the update's own forward is π_old and this pass is skipped; the variants read it before advantages.
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
+        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
@@ -947,27 +952,31 @@ def main(argv=None):
             ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         t_score = time.time()
 
-        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens
+        # ---- 4. advantages: group-relative, one per completion, broadcast to its tokens; then sharpened (XRPO eq. 6)
         adv = group_advantages(rewards, b.group, cfg.adv_norm)  # [N]
-        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget gets no loss
+        if cfg.overlong_mask:  # DAPO §3.4, overlong filtering: a completion cut at the budget keeps its reward in its
+            # group's advantages but gets no loss tokens (all of it is skipped)
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
         # XRPO §3.3: a correct rollout that the policy finds less likely than its group does on average gains a
         # bonus; s(y) (eq. 4) in the context it is trained with, from π_old (eq. 4's π_θ before the update). Our
-        # choice: the scoring pass's log-probs when the step makes one (μ·M > 1), else the sampler's: in fp32 the
-        # sampler is the same weights (policy/sampler_logp_diff is the rounding), and no second forward is paid
+        # choice: the scoring pass's log-probs when the step makes one (μ·M > 1), else the sampler's, and no second
+        # forward is paid: the same weights in fp32, a bf16 copy under --dtype auto on bf16 hardware (the gap is
+        # policy/sampler_logp_diff)
         bonus = torch.zeros_like(adv)
         if cfg.nov_lambda > 0:
-            score_logp = b.sampler_logp if old_logp is None else old_logp
-            adv, bonus = sharpen(adv, correct[keep], sequence_scores(score_logp, b.lengths), b.group, cfg.nov_lambda,
+            token_logp = b.sampler_logp if old_logp is None else old_logp
+            adv, bonus = sharpen(adv, correct[keep], sequence_scores(token_logp, b.lengths), b.group, cfg.nov_lambda,
                                  cfg.nov_kappa, cfg.nov_all_correct)
-        # Alg. 1 line 18: the step's correct rollouts join the corpus (every rank's: the corpus stays one)
-        update_corpus(corpus, gather([problems[q].prompt for q in b_all.group]), gather(texts),
-                      gather(correct_all.tolist()))
+        # Alg. 1 line 18: the step's correct rollouts join the corpus (every rank's: the corpus stays one; under
+        # --no-icl too, unread, so that xrpo/corpus_size shows what the ablation gave up)
+        update_corpus(corpus, dist.all_gather_list([problems[q].prompt for q in b_all.group]),
+                      dist.all_gather_list(texts), dist.all_gather_list(correct_all.tolist()))
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
-        for group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
-            group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
+        for param_group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)
+            param_group["lr"] = cfg.lr * lr_factor(step - 1, cfg)
         stats = update(policy, model, optimizer, b, adv, cfg, tok.pad_id, device, autocast, old_logp, ref_logp)
+        # optimizer steps skipped since the last one taken, counting earlier training steps' when this one took none
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "

@@ -4,8 +4,9 @@
     e = embed(model, [[ids...], [ids...]])        # [n, d], each row of unit length
     e = pool_hidden(hidden, mask)                 # the same pooling, on hidden states a forward already made
 
-Novelty bonuses (ExTra, XRPO) compare rollouts by the cosine of text embeddings. The papers use a separate
-sentence encoder; here the policy's own final hidden states stand in for it, so no second model is loaded.
+ExTra's novelty bonus compares rollouts by the cosine of text embeddings, and XRPO finds a problem's neighbours by
+them. The papers use a separate sentence encoder; here the policy's own final hidden states stand in for it, so no
+second model is loaded.
 Only the trunk runs (`return_hidden=True`): the [tokens, vocab] logits are never formed.
 """
 import torch

@@ -5,8 +5,9 @@ off by default; docs/grpo.md lists them with the loop options that live in grpo.
     weights = token_mask(old, logp, sampler_logp, adv, seq_ids, cfg)   # a constant factor per token, or None
     keep = high_entropy(sampler_entropy, cfg.top_entropy)              # [n] bool
 
-The update multiplies a token's loss by the factor, so a factor of 0 takes the token out of the gradient while the
-loss's denominators (token-mean, sequence-mean) stay those of the batch.
+The update multiplies a token's clipped surrogate by the factor, so a factor of 0 takes the token out of the policy
+gradient (a KL or entropy term still acts on it) while the loss's denominators (token-mean, sequence-mean) stay
+those of the batch.
 """
 import torch
 

@@ -203,7 +203,11 @@ def _split(problems: list[Problem], split: str, where: str) -> list[Problem]:
         return problems
     if split not in ("train", "test"):
         raise DataError(f"{where}: unknown split '{split}': expected train, test or all")
-    return [p for p in problems if _in_test(p.prompt) == (split == "test")]
+    chosen = [p for p in problems if _in_test(p.prompt) == (split == "test")]
+    if not chosen:  # a tiny file: training would divide by zero, evaluation would score nothing
+        raise DataError(f"{where}: its {split} split is empty: a file without a split of its own puts ~10% of its "
+                        f"{len(problems)} problems in test, by a hash of each question; give it more problems")
+    return chosen
 
 
 def load_task(name_or_path: str, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:

@@ -100,7 +100,7 @@ def test_3_5_prior_mix_emits_the_mixture_mu_says(lam):
     torch.testing.assert_close(x["rl_logp"].exp(), p_rl[tokens].clamp(min=1e-30), atol=1e-6, rtol=1e-5)
     kl = (p_old * (p_old.log() - p_rl.clamp(min=1e-30).log())).sum()
     torch.testing.assert_close(x["kl"][0], kl, atol=1e-4, rtol=1e-4)
-    assert not (x["resampled"] & ~x["injected"]).any()
+    assert not (x["rejected"] & ~x["injected"]).any()
 
 
 # --------------------------------------------------------------------------------- 4. eligibility
@@ -114,7 +114,7 @@ def test_4_eligibility_is_strict_and_uses_the_sampling_temperature():
     # τ = a row's own tempered entropy: not critical (strict >), even with λ = 1
     for i in range(4):
         _, x = eapo.PriorMix(1.0, float(tempered[i]), T, seed=i)(0, draft, logits, prior_logits, torch.arange(64))
-        assert not x["eligible"][i] and not x["injected"][i] and not x["resampled"][i]
+        assert not x["eligible"][i] and not x["injected"][i] and not x["rejected"][i]
         assert torch.equal(x["eligible"], tempered > tempered[i])
     # τ between a row's T = 1 entropy and its tempered one: the tempered softmax decides, both ways
     row = logits[:1].expand(64, -1)
@@ -265,8 +265,8 @@ def test_7_token_loss_is_grpos_and_weights_each_token_by_omega():
 def test_8_resampled_ratio_counts_augmented_responses_only():
     flags = [torch.tensor([1, 0, 0, 1], dtype=torch.bool), torch.tensor([1, 1], dtype=torch.bool),
              torch.tensor([0, 0, 0], dtype=torch.bool)]
-    assert eapo.resampled_ratio(flags, [True, False, True]) == pytest.approx(2 / 7)
-    assert eapo.resampled_ratio(flags, [False, False, False]) == 0.0
+    assert eapo.augmented_share(flags, [True, False, True]) == pytest.approx(2 / 7)
+    assert eapo.augmented_share(flags, [False, False, False]) == 0.0
 
 
 # -------------------------------------------------------------------------------------- 9. pos-only
@@ -335,9 +335,9 @@ def test_8_10_prior_follows_augmented_rows_only_and_resampled_flags_stay_there(p
     samples, calls = sample_with(policy, prior, 1.0, -1.0, rows)
     assert calls and max(calls) <= len(rows)  # the prior's batch never holds an ordinary row
     augmented = [i in rows for i in range(len(samples))]
-    flags = [s.extras["resampled"] for s in samples]
+    flags = [s.extras["rejected"] for s in samples]
     assert all(not f.any() for f, a in zip(flags, augmented) if not a)
-    ratio = eapo.resampled_ratio(flags, augmented)
+    ratio = eapo.augmented_share(flags, augmented)
     assert 0 < ratio < 1
     for s, a in zip(samples, augmented):
         if a:  # every token injected (λ = 1, τ < 0): μ is π_RL's log-prob of it
@@ -434,7 +434,7 @@ def test_1_lambda_0_step_equals_grpo(in_tmp, models, monkeypatch):
     for step in (1, 2):
         assert {k: v for k, v in e[step].items() if not k.startswith(("eapo/", "perf/"))} == \
                {k: v for k, v in g[step].items() if not k.startswith(GRPO_ONLY)}
-        assert e[step]["eapo/lambda"] == 0 and e[step]["eapo/resampled_ratio"] == 0
+        assert e[step]["eapo/lambda"] == 0 and e[step]["eapo/rejected_ratio"] == 0
     wg, we = weights("g"), weights("e")
     assert all(torch.equal(wg[k], we[k]) for k in wg)
 
@@ -470,7 +470,7 @@ def test_smoke_mechanism_acts_and_anneals(in_tmp, models, monkeypatch):
                        "--anneal-steps", "2", "--entropy-coef", "1e-3"))
     rows = rows_of("s")
     assert [rows[k]["eapo/lambda"] for k in (1, 2, 3)] == [1.0, 0.5, 0.0]
-    assert rows[1]["eapo/resampled_ratio"] > 0 and rows[3]["eapo/resampled_ratio"] == 0
+    assert rows[1]["eapo/rejected_ratio"] > 0 and rows[3]["eapo/rejected_ratio"] == 0
     assert rows[1]["eapo/injected_ratio"] == 1.0 and rows[1]["eapo/kl_prior"] > 0
     assert rows[1]["eapo/omega_max"] != 1.0 and not scored
     # π_RL's work: G / 4 = 2 augmented completions of each of 2 prompts, one token each; none once λ = 0
@@ -600,7 +600,7 @@ def test_metrics_omega_over_critical_tokens_and_no_ordinary_accuracy_without_ord
     def sample(n):
         flags = torch.zeros(n, dtype=torch.bool)
         return Sample(tokens=[5] * n, logprobs=torch.zeros(n), entropies=torch.ones(n), finished=True,
-                      extras={"resampled": flags, "injected": flags})
+                      extras={"rejected": flags, "injected": flags})
 
     groups = [[sample(3), sample(2)]]
     x = {"aug": torch.ones(5, dtype=torch.bool), "eligible": torch.tensor([True, False, False, True, False]),

@@ -404,7 +404,7 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--group-size", "1"], ["--group-size", "at least 2"]),
     (["--eval-every", "0"], ["--eval-every", "positive"]),
     (["--save-every", "0"], ["--save-every", "positive"]),
-    (["--train-size", "0"], ["--train-size", "positive"]),
+    (["--train-size", "-1"], ["--train-size", "non-negative"]),
     (["--decay-steps", "-1"], ["--decay-steps", "non-negative"]),
     (["--max-new-tokens", "5000"], ["--max-new-tokens", "positions"]),
     (["--tis-cap", "0.5"], ["--tis-cap"]),
@@ -415,9 +415,13 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--top-entropy", "0"], ["--offpolicy-mask/top-entropy", "(0, 1]"]),
     (["--tis-floor", "1"], ["--tis-floor", "[0, 1)"]),
     (["--tracker", "mlflow"], ["--tracker", "invalid choice"]),
+    (["--max-grad-norm", "0"], ["--max-grad-norm", "positive"]),
+    (["--eval-samples", "-1"], ["--eval-samples", "non-negative"]),
+    (["--task", "one.jsonl"], ["one.jsonl", "split is empty"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, args, words):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"\n')
+    (tmp_path / "one.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')  # one of its two splits is empty
     argv = ["--model", str(tiny_model_dir), "--run-name", "bad", *TINY_RUN, *args]
     r = run_grpo(tmp_path, *argv, check=False)
     assert r.returncode == 2

@@ -158,6 +158,21 @@ def test_single_split_files_are_hash_split(data_dir):
     assert test == load_task("math500", "test")  # deterministic
 
 
+def test_an_empty_split_of_a_tiny_file_is_refused_in_one_line(tmp_path):
+    """One problem: the hash split leaves one side empty, which is a DataError
+    naming the file, not a ZeroDivisionError at step 1 or an accuracy over 0 problems."""
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(1)))
+    sides = {}
+    for split in ("train", "test"):
+        try:
+            sides[split] = len(load_task(str(path), split))
+        except DataError as e:
+            assert str(path) in str(e) and f"{split} split is empty" in str(e)
+            sides[split] = 0
+    assert sorted(sides.values()) == [0, 1]
+
+
 def test_n_draws_a_seeded_sample(data_dir):
     a = load_task("gsm8k", "test", n=20, seed=0)
     assert len(a) == 20 and a == load_task("gsm8k", "test", n=20, seed=0)
