@@ -221,9 +221,10 @@ def check_context(model, tok, problems, cfg):
     limit = model.cfg.max_position_embeddings
     check(longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens) <= limit, "max_new_tokens/eval_max_new_tokens",
           f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
-    # ExTra: a guided prompt (prompt ++ prefix) may grow to --max-prompt-len tokens
-    check(cfg.max_prompt_len + cfg.max_new_tokens <= limit, "max_prompt_len",
-          f"at most {limit - cfg.max_new_tokens}: a guided prompt and its answer must fit the model's {limit} positions")
+    # ExTra: a guided prompt is a prompt ++ a prefix of one of its answers, cut to --max-prompt-len, then answered
+    guided = min(cfg.max_prompt_len, longest + cfg.max_new_tokens)
+    check(not cfg.regen or guided + cfg.max_new_tokens <= limit, "max_prompt_len/max_new_tokens",
+          f"a guided prompt ({guided} tokens at most) and its answer within the model's {limit} positions")
 
 
 # ----------------------------------------------------------------------------- rewards -> advantages

@@ -3,7 +3,7 @@
     b = to_batch(contexts, generate(model, contexts, n=8, ...), answers, group_ids=range(len(contexts)))
     logp, entropy = trainer_logprobs(model, b, micro_batch=16, temperature=0.8, pad_id=tok.pad_id, device=dev,
                                      autocast=autocast)              # every completion token, flat [n_tok], no grad
-    logp, entropy, tok = completion_logprobs(model, b, idx, 0.8, tok.pad_id, dev)   # completions idx, with grad
+    logp, entropy, pos = completion_logprobs(model, b, idx, 0.8, tok.pad_id, dev)   # completions idx, with grad
 
 Every algorithm file builds its step on this: completion i was sampled from context[i] (a prompt, an in-context
 prompt, a prompt plus a given prefix...), belongs to group[i] (advantages are relative within a group; groups
@@ -121,7 +121,8 @@ def first_fit(sizes: list, capacity: int) -> list[list]:
     return bins
 
 
-# Longest packed row: G completions after one shared prompt make one row whose attention mask is [T, T].
+# Most tokens in one packed block (a context and its completions, one row whose attention mask is [T, T]); a
+# single longer completion still gets a block of its own.
 MAX_PACKED_TOKENS = 2048
 
 

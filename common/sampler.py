@@ -41,7 +41,7 @@ from kernels.reference import logprobs_entropy, softmax_stats
 @dataclass
 class Sample:
     tokens: list[int]  # the completion: prefix tokens (if any), then generated ids, the stop token included if hit
-    logprobs: torch.Tensor  # [len(tokens)] fp32, log softmax(logits / temperature) at each token
+    logprobs: torch.Tensor  # [len(tokens)] fp32, log softmax(logits / temperature) at each token (T = 1 if greedy)
     entropies: torch.Tensor  # [len(tokens)] fp32, entropy of that same full-vocabulary distribution
     finished: bool  # a stop token was generated; False: cut off at max_new_tokens
     prefix_len: int = 0  # how many leading tokens came from `prefixes` (scored, not sampled)
@@ -54,8 +54,9 @@ class Companion:
     """A second model decoded in lock-step with the policy (EAPO's prior policy, arXiv 2606.30420): its own KV
     cache, over the samples in `rows` only, with the policy's cache columns, padding and row drops.
 
-    At each generated position, mix(step, tokens, logits, companion_logits, rows) gets, for the followed rows
-    still live: the policy's draws [b], the policy's and the companion's raw logits [b, V] fp32, and each row's
+    At each generated position, mix(step, tokens, logits, companion_logits, rows) gets, for the followed rows not
+    yet dropped (a row that emitted a stop stays until the next check_every boundary; its later outputs are
+    discarded): the policy's draws [b], the policy's and the companion's raw logits [b, V] fp32, and each row's
     sample index [b]. It returns the tokens to emit [b] (fed to both models and checked for stops; .logprobs
     stay the policy's log-probs of them) and a dict {name: tensor [b]} of per-token values, which come back
     as Sample.extras[name], aligned with .tokens (0 on prefix tokens and on samples the companion does not follow).
@@ -149,7 +150,7 @@ def prefill(model, ids, mask, cache, shared=0):
 def _length_groups(lengths: list, slack: float = 0.5) -> list:
     """Rows by length, longest first, in groups [(rows, width)] whose every row is at least `slack` of the group's
     width: no row is padded to more than twice its length. Rows of similar lengths make one group (the arithmetic
-    task's prompts, 0.51-1.0 of the longest after their shared start: one group, one forward, as before)."""
+    task's prompts, 0.51-1.0 of the longest after their shared start: one group, a single forward)."""
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
     groups = []
     for r in order:
@@ -226,9 +227,10 @@ _compiled = {}
 
 
 def _compile(fn, **kw):
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, **kw)
-    return _compiled[fn]
+    key = (fn, tuple(sorted(kw.items())))  # the options too: a CUDA call after a CPU one still gets its CUDA graphs
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, **kw)
+    return _compiled[key]
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -260,6 +262,8 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
       the rollout itself, with no second pass over it).
     """
     ns, pre = _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p, top_k)
+    if check_every < 1 or entropy_at is not None and entropy_at <= 0:
+        raise ValueError(f"generate: expected check_every >= 1 and entropy_at None or > 0, got {check_every}, {entropy_at}")
     if stop_ids is None:
         eos = model.cfg.extra.get("eos_token_id")
         stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -501,8 +505,8 @@ def _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p,
         if not isinstance(p, (list, tuple)) or not p:
             raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids")
         ids_ok(p, f"prompts[{i}]")
-    ns = [n] * len(prompts) if isinstance(n, int) else list(n)
-    if len(ns) != len(prompts) or not all(isinstance(k, int) and k >= 0 for k in ns):
+    ns = [n] * len(prompts) if isinstance(n, Integral) else list(n)
+    if len(ns) != len(prompts) or not all(isinstance(k, Integral) and k >= 0 for k in ns):
         raise ValueError(f"generate: n must be an int >= 0 or one per prompt ({len(prompts)}), got {n}")
     if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"generate: expected max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1, top_k >= 0; "

@@ -57,8 +57,8 @@ def _check_temperature(op, temperature):
 
 
 def _grad_or_zeros(grad, like):
-    # autograd passes None for an output that did not reach the loss, and an expanded
-    # (stride-0) tensor after .sum(); the kernels want contiguous fp32
+    # an output that did not reach the loss gets zeros (or None, with set_materialize_grads(False)), and one
+    # after .sum() an expanded (stride-0) tensor; the kernels want contiguous fp32
     return torch.zeros_like(like) if grad is None else grad.float().contiguous()
 
 
@@ -176,7 +176,8 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, dtype, chunk_size):
         N = hidden.shape[0]
         weight_c = weight.to(dtype)  # no copy when weight already has the compute dtype
-        logp, entropy, xmax, logz = torch.empty(4, N, device=hidden.device, dtype=torch.float32)
+        # four tensors, not rows of one: outputs that are views could not be modified in place by the caller
+        logp, entropy, xmax, logz = (torch.empty(N, device=hidden.device, dtype=torch.float32) for _ in range(4))
         with torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(N, chunk_size):
                 logits = lm_head_logits(hidden[rows].to(dtype), weight_c)  # [c, V]: the only big tensor alive

@@ -135,7 +135,7 @@ def _launch_config(V):
 def logprobs_entropy_fwd(logits, targets, temperature):
     """logits [N, V] with unit column stride -> fp32 (logp, entropy, xmax, logz), each [N]."""
     N, V = logits.shape
-    logp, entropy, xmax, logz = torch.empty(4, N, device=logits.device, dtype=torch.float32)
+    logp, entropy, xmax, logz = (torch.empty(N, device=logits.device, dtype=torch.float32) for _ in range(4))
     block_v, num_warps = _launch_config(V)
     _logprobs_entropy_fwd[(N,)](
         logits, targets, logp, entropy, xmax, logz, logits.stride(0), V, 1.0 / temperature,
@@ -162,8 +162,9 @@ def policy_loss_fwd(logp, old_logp, adv, eps_low, eps_high, *, weights=None, ref
     """Flat contiguous inputs [N] -> fp32 loss, fp32 d loss / d logp, bool clipped_low, clipped_high.
     seq_log_ratio: GSPO's per-token sequence mean of logp - old_logp (fp32)."""
     n = logp.numel()
-    loss, dloss = torch.empty(2, n, device=logp.device, dtype=torch.float32)
-    clipped_low, clipped_high = torch.empty(2, n, device=logp.device, dtype=torch.int8)
+    # separate tensors, not rows of one: outputs that are views could not be modified in place by the caller
+    loss, dloss = (torch.empty(n, device=logp.device, dtype=torch.float32) for _ in range(2))
+    clipped_low, clipped_high = (torch.empty(n, device=logp.device, dtype=torch.int8) for _ in range(2))
     optional = [weights, ref_logp, entropy, seq_log_ratio, sampler_logp]
     block = 1024
     _policy_loss_fwd[(triton.cdiv(n, block),)](

@@ -397,6 +397,23 @@ def test_switches_in_token_loss():
                                                        past_logp=past)[0])
 
 
+def test_replayed_tokens_take_no_sampler_correction():
+    """--tis-cap corrects for the sampler copy; replayed tokens were not sampled this step, so with their ratio taken
+    to π_past they must carry no TIS factor (before, min(π_past / π_θold, C) weighed them under --no-policy-shaping).
+    Fresh tokens keep theirs."""
+    torch.manual_seed(2)
+    n = 8
+    logp = (-torch.rand(n) * 3).requires_grad_()
+    old, past, sampler = logp.detach() + 0.1 * torch.randn(n), logp.detach() - 0.7, logp.detach() - 0.3
+    adv, entropy, replayed = torch.randn(n), torch.rand(n), torch.arange(n) % 2 == 0
+    cfg = exgrpo.Config(policy_shaping=False, tis_cap=2.0)
+    with_tis = exgrpo.token_loss(logp, old, adv, entropy, cfg, replayed=replayed, past_logp=past, sampler_logp=sampler)[0]
+    without = exgrpo.token_loss(logp, old, adv, entropy, cfg, replayed=replayed, past_logp=past)[0]
+    torch.testing.assert_close(with_tis[replayed], without[replayed])
+    factor = (old - sampler).exp().clamp(max=2.0)[~replayed]
+    torch.testing.assert_close(with_tis[~replayed], without[~replayed] * factor)
+
+
 def test_metrics_use_the_configured_beta():
     """exgrpo/f_w_mean is f(w) with --shaping-beta, not a fixed 0.1. Catches a hard-coded β."""
     w = torch.tensor([0.5, 2.0])

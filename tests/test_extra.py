@@ -530,6 +530,7 @@ def test_smoke_default_options(tmp_path, tiny_model_dir, monkeypatch, capsys):
     (["--dual-clip", "0.5"], ["--dual-clip"]),
     (["--novelty-mode", "sideways"], ["--novelty-mode", "invalid choice"]),
     (["--loss-type", "cispo"], ["--loss-type", "dual clip"]),
+    (["--max-new-tokens", "2100"], ["--max-prompt-len/max-new-tokens", "guided prompt"]),  # 2048 + 2100 > 4096
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)
@@ -547,4 +548,6 @@ def test_option_a_in_the_loop(tmp_path, line_model_dir, monkeypatch):
     extra.main([*host_args(line_model_dir, tmp_path), *EXTRA_ARGS, "--steps", "3", "--run-name", "a",
                 "--novelty-mode", "before", "--alpha", "0.5", "--no-regen"])
     rows = train_rows(tmp_path, "a")
-    assert any(r["reward/mean"] > r["reward/acc"] for r in rows.values() if r["extra/bonus_share"] > 0)
+    paid = [r for r in rows.values() if r["extra/bonus_share"] > 0]
+    assert paid and all(r["extra/bonus_mean"] > 0 for r in paid)  # what the rewards gained (rewards - verifier's)
+    assert all(r["reward/mean"] == pytest.approx(r["reward/acc"]) for r in rows.values())  # reward/: the verifier's

@@ -398,12 +398,23 @@ def test_compiled_bf16_cuda_runs(tiny):
     (dict(prompts=[[1, 999]]), ["prompts[0]", "token ids in [0, 256)"]),
     (dict(prompts=[[1, 2]], n=2, prefixes=[[[1], [2], [3]]]), ["prefixes[0]", "n[0] is 2"]),
     (dict(prompts=[[1, 2]], top_p=0.0), ["top_p"]),
+    (dict(prompts=[[1, 2]], check_every=0), ["check_every >= 1"]),
+    (dict(prompts=[[1, 2]], entropy_at=0.0), ["entropy_at None or > 0"]),
 ])
 def test_bad_input_names_the_argument(tiny, kw, words):
     with pytest.raises(ValueError) as e:
         generate(tiny["qwen2"][0], max_new_tokens=2, **kw)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_numpy_counts_are_counts(tiny):
+    """n as a NumPy integer (as a count computed with NumPy arrives) samples like the same Python int."""
+    np = pytest.importorskip("numpy")
+    model = tiny["qwen2"][0]
+    a = generate(model, [[1, 2], [3]], n=np.int64(2), max_new_tokens=3, temperature=0, stop_ids=())
+    b = generate(model, [[1, 2], [3]], n=[np.int64(2), 2], max_new_tokens=3, temperature=0, stop_ids=())
+    assert [[s.tokens for s in g] for g in a] == [[s.tokens for s in g] for g in b] and [len(g) for g in a] == [2, 2]
 
 
 @pytest.mark.parametrize("compile_path", [False, True])

@@ -541,3 +541,16 @@ def test_fsdp_under_torchrun_is_refused(monkeypatch):
     monkeypatch.setattr(xrpo.dist, "world", lambda: 1)
     xrpo.validate(xrpo.Config(fsdp=True))
 
+
+
+def test_rollout_histogram_shares_add_up_to_one():
+    """xrpo/hist_*: every prompt in exactly one bin, also with --rounds 0 --base-rollouts G (every prompt at n_base =
+    G, which the G-to-2G bin counted too), and with an uneven allocation."""
+    group, icl, correct = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool), torch.zeros(4)
+    corpus = xrpo.Corpus(4)
+    hist = ("xrpo/hist_base", "xrpo/hist_below_G", "xrpo/hist_G_to_2G", "xrpo/hist_2G_up")
+    for cfg, per_prompt in [(xrpo.Config(rounds=0, base_rollouts=8), [8, 8, 8]),
+                            (xrpo.Config(), [4, 6, 8, 13, 16, 4])]:
+        m = xrpo.xrpo_metrics(per_prompt, cfg, group, icl, correct, correct, torch.zeros(4), corpus)
+        assert sum(m[k] for k in hist) == pytest.approx(1.0), m
+    assert m["xrpo/hist_base"] == pytest.approx(2 / 6) and m["xrpo/hist_2G_up"] == pytest.approx(1 / 6)
