@@ -184,7 +184,8 @@ def validate(cfg: Config):
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy",
+          "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
@@ -301,7 +302,8 @@ def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, **kw):
     GSPO's seq_ids, TIS's sampler_logp) are constants.
     ExTra's host adds the dual clip (Dual-clip PPO, Ye et al., arXiv 1912.09729; ExTra's verl recipe, c = 10): where
     A < 0 the surrogate is at most c·|A|. With c > 1 it binds exactly on tokens with A < 0 and r > c, where the
-    surrogate is then the constant c·|A| (no gradient): those tokens get weight 0 in the fused call and the constant added.
+    surrogate is then the constant c·|A| (no gradient): those tokens get weight 0 in the fused call and the constant
+    added.
     KL and entropy are untouched."""
     capped = dual_clipped(logp, old_logp, adv, cfg.dual_clip, kw.get("seq_ids"))  # [n] bool
     scale = kw.pop("weights", None)
@@ -344,7 +346,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+        # value -weight·A, gradient -weight·A·∇log π_θ (r is s_i under GSPO)
+        loss = -weight * adv * ratio / ratio.detach()
     if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
@@ -539,8 +542,9 @@ def bonus_after_norm(adv, correct, d, alpha):
 
 def bonus_before_norm(rewards, correct, d, alpha, var_ema, lam):
     """Option A (the authors' code's default, which it calls legacy; the abstract describes B): α·d joins the
-    reward of correct rollouts before the group normalisation, d scaled to the group's largest novelty and damped by exp(-λ·v̄), v̄ = var_ema, the EMA of
-    the prompt's reward variance (a prompt whose rewards already vary needs less push). Shapes [G]."""
+    reward of correct rollouts before the group normalisation, d scaled to the group's largest novelty and damped
+    by exp(-λ·v̄), v̄ = var_ema, the EMA of the prompt's reward variance (a prompt whose rewards already vary needs
+    less push). Shapes [G]."""
     top = d.max()
     d = d / top if top > 1e-8 else d
     return rewards + alpha * d * math.exp(-lam * var_ema) * (correct > 0)
@@ -856,8 +860,9 @@ def main(argv=None):
         bonus_all = rewards - verified if cfg.novelty_mode == "before" else cfg.alpha * d * (correct > 0)  # [N] paid
         b, rewards = b.select(keep), rewards[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
-        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1
+        # the update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants
+        # base on them
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)

@@ -18,9 +18,9 @@
     python xrpo.py --nov-lambda 0                    #   w/o AS (both: w/o AS+ICL)
     python xrpo.py --icl-init 64                     # the corpus seeded from the base model's answers (Alg. 1's C_init)
     python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all off: python grpo.py, bit for bit
-    torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --train-size 0 --prompts-per-step 16 \
-        --group-size 8 --base-rollouts 4 --rounds 2 --icl-shots 2 --icl-max-len 8192 --kl-coef 0.001 \
-        --max-new-tokens 16384 --temperature 1.0 --lr 2e-6 --decay-steps 0 ...   # the paper's setting (§4.1)
+    torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --train-size 0 \
+        --prompts-per-step 16 --group-size 8 --base-rollouts 4 --rounds 2 --icl-shots 2 --icl-max-len 8192 \
+        --kl-coef 0.001 --max-new-tokens 16384 --temperature 1.0 --lr 2e-6 --decay-steps 0 ...   # the paper's setting (§4.1)
 
 A step samples grpo.py's B×G rollouts in all (B×n_base base + the dynamic rest), so the two compare at an equal
 number of rollouts (not in equal time: each round is another sampling call, and in-context prompts are longer).
@@ -110,8 +110,9 @@ class Config:
     icl_max_len: int = 1024
     icl_per_problem: int = 4  # solutions the corpus keeps per problem, most recent (our choice: the paper never prunes)
     # C_init (Alg. 1; §3.2, §4.2): training problems the base model samples n_base times before step 1, its correct
-    # answers seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before training (its
-    # solutions stay in the corpus, and matter most at step 1, before the run's own correct rollouts join them)
+    # answers seeding the corpus; 0 = an empty corpus (§3.2). Off by default: it costs a sampling round before
+    # training (its solutions stay in the corpus, and matter most at step 1, before the run's own correct rollouts
+    # join them)
     icl_init: int = 0
     # novelty-guided advantage sharpening (XRPO §3.3, eq. 6); --nov-lambda 0 is the "w/o AS" ablation (Table 5)
     nov_lambda: float = 2.5  # λ_nov: bonus strength (§4.1); 0 = off
@@ -188,7 +189,8 @@ def validate(cfg: Config):
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
-    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy", "a δ >= 0, a fraction in (0, 1]")
+    check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy",
+          "a δ >= 0, a fraction in (0, 1]")
     check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
@@ -693,7 +695,8 @@ def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=N
     if cfg.loss_type == "cispo":  # CISPO (MiniMax-M1, arXiv 2506.13585 §3.1, eq. 4-5): clip the importance weight,
         # sg(min(r, 1 + ε_high)) with no lower bound, not the update: every token keeps its gradient A ∇log π_θ
         weight = ratio.detach().clamp(max=1 + cfg.eps_high)
-        loss = -weight * adv * ratio / ratio.detach()  # value -weight·A, gradient -weight·A·∇log π_θ (r: s_i under GSPO)
+        # value -weight·A, gradient -weight·A·∇log π_θ (r is s_i under GSPO)
+        loss = -weight * adv * ratio / ratio.detach()
     if weights is not None:  # a constant per-token factor on the surrogate (masks, a variant's weight), not KL/entropy
         loss = loss * weights
     if sampler_logp is not None:  # truncated IS: the sampling copy (e.g. bf16) is not exactly π_old (Yao et al. 2025)
@@ -943,8 +946,9 @@ def main(argv=None):
         b_all, correct_all, rewards_all = b, correct, rewards
         b, rewards = b.select(keep), rewards[keep]
 
-        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1 the
-        # update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants base on it
+        # ---- 3. score: the trainer's log-probs of the batch before any update: π_old when μ·M > 1 (with μ = M = 1
+        # the update's own detached forward is π_old), π_ref with --kl-coef; before advantages, which some variants
+        # base on them
         old_logp = ref_logp = None
         if cfg.epochs * cfg.mini_batches > 1:
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)

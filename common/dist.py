@@ -99,19 +99,19 @@ def reduce_metrics(metrics: dict, sums=(), maxes=(), weights=None) -> dict:
         return metrics
     keys = sorted(set(all_gather_list(list(metrics))))
     has = {k: k in metrics and math.isfinite(float(metrics[k])) for k in keys}
-    weight = {k: 1.0 if k in sums or k in maxes else float(_weight(k, weights or {})) for k in keys}
-    have = torch.tensor([float(has[k]) for k in keys], dtype=torch.float64)
-    total_weight = torch.tensor([weight[k] if has[k] else 0.0 for k in keys], dtype=torch.float64)
+    # a sum or a max takes weight 1, so a total weight of 0 always means: no rank measured it (of weight > 0)
+    weight = {k: (1.0 if k in sums or k in maxes else float(_weight(k, weights or {}))) * has[k] for k in keys}
+    total_weight = torch.tensor([weight[k] for k in keys], dtype=torch.float64)
     vals = torch.tensor([float(metrics[k]) * weight[k] if has[k] else 0.0 for k in keys], dtype=torch.float64)
     maxed = torch.tensor([float(metrics[k]) if k in maxes and has[k] else float("-inf") for k in keys],
                          dtype=torch.float64)
-    for t in (have, total_weight, vals):
-        td.all_reduce(t)
+    td.all_reduce(total_weight)
+    td.all_reduce(vals)
     td.all_reduce(maxed, op=td.ReduceOp.MAX)
     out = {}
     for i, k in enumerate(keys):
-        if not have[i].item() or (k not in sums and k not in maxes and total_weight[i].item() == 0):
-            out[k] = math.nan  # no rank measured it (or only ranks of weight 0)
+        if total_weight[i].item() == 0:
+            out[k] = math.nan
         else:
             out[k] = maxed[i].item() if k in maxes else vals[i].item() / (1 if k in sums else total_weight[i].item())
     return out

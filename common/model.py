@@ -166,9 +166,9 @@ class KVCache:
         self.offset, self.pk, self.pv = 0, None, None
 
     def select(self, rows: torch.Tensor):
-        """Keep (or repeat) batch rows: rows [B'] indexes the current batch. Used to repeat a prompt's
-        prefill for its samples where the cache is not shared (the sampler drops finished rows in place). Rows 0..B-1 in order keep the cache as it is: a copy
-        would hold two whole caches at once (evaluation's one sample per prompt)."""
+        """Keep (or repeat) batch rows: rows [B'] indexes the current batch. Used to repeat a prompt's prefill for
+        its samples where the cache is not shared (the sampler drops finished rows in place). Rows 0..B-1 in order
+        keep the cache as it is: a copy would hold two whole caches at once (evaluation's one sample per prompt)."""
         if len(rows) == self.k.shape[1] and bool((rows == torch.arange(len(rows), device=rows.device)).all()):
             return self
         self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
@@ -247,7 +247,8 @@ class Attention(nn.Module):
     def _shared_prompt_attention(self, q, k, v, mask, cache, layer, start):
         """Attention over a cache with a shared prompt part (KVCache.share): softmax over [prompt columns, own
         columns] together, with the prompt's scores and outputs from one matmul per distinct prompt. q [B, H, T,
-        hd], k, v [B, kv, T, hd] new; mask None or [B or 1, 1, T, start + T] bool (start: an absolute column). Returns [B, T, H * hd]."""
+        hd], k, v [B, kv, T, hd] new; mask None or [B or 1, 1, T, start + T] bool (start: an absolute column).
+        Returns [B, T, H * hd]."""
         B, H, T, hd = q.shape
         kv, W = self.cfg.num_kv_heads, cache.offset
         g, U, n = H // kv, cache.pk.shape[1], cache.slots

@@ -263,7 +263,8 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     """
     ns, pre = _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p, top_k)
     if check_every < 1 or entropy_at is not None and entropy_at <= 0:
-        raise ValueError(f"generate: expected check_every >= 1 and entropy_at None or > 0, got {check_every}, {entropy_at}")
+        raise ValueError("generate: expected check_every >= 1 and entropy_at None or > 0, "
+                         f"got {check_every}, {entropy_at}")
     if stop_ids is None:
         eos = model.cfg.extra.get("eos_token_id")
         stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
