@@ -370,7 +370,7 @@ class PriorMix:
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(seed)  # its own stream: the policy's draws are those it would make without us
 
-    def __call__(self, step, draft, logits, prior_logits, rows):
+    def __call__(self, t, draft, logits, prior_logits, rows):
         logp_old, p_old, entropy = softmax_stats(logits, self.temperature)  # [b, V], [b, V], [b]
         logp_rl, p_rl, _ = softmax_stats(prior_logits, self.temperature)
         # EAPO's resampling threshold τ, strict. our choice: the learner's entropy decides (not π_RL's), as in the
@@ -468,11 +468,12 @@ def flat_extras(groups, keep_tok):
     return {k: torch.cat([s.extras[k] for s in samples])[keep_tok] for k in samples[0].extras}
 
 
-def eapo_metrics(lam, tau, groups, aug, correct, x, omega) -> dict:
+def eapo_metrics(lam, tau, groups, aug, correct, prior_tok, omega) -> dict:
     """EAPO's diagnostics (its Fig. 2b logs the "resampled ratio", the share of augmented responses' tokens π_RL
     decided: our injected_ratio; Fig. 2c the accuracy of augmented responses). rejected_ratio: of those, the share
     whose speculative draft was rejected (a detail of our sampling). aug, correct [N] over all completions of the
-    step; the ratios over all augmented tokens; x, omega (kl_prior, omega_*) over the kept ones' tokens."""
+    step; the ratios over all augmented tokens; prior_tok (flat_extras, with "aug") and omega [n_tok] over the kept
+    ones' tokens (kl_prior, omega_*)."""
     entropies = torch.cat([s.entropies for g in groups for s in g])
     m = {"eapo/lambda": lam, "eapo/tau": tau, "eapo/eligible_share": (entropies > tau).float().mean().item(),
          "eapo/injected_ratio": 0.0, "eapo/rejected_ratio": 0.0, "eapo/prior_tokens": 0.0}
@@ -485,14 +486,14 @@ def eapo_metrics(lam, tau, groups, aug, correct, x, omega) -> dict:
         m["eapo/acc_augmented"] = correct[aug].mean().item()
         if not aug.all():  # absent, not 0, when every completion is augmented (--augmented G)
             m["eapo/acc_ordinary"] = correct[~aug].mean().item()
-    if x and x["aug"].any():  # over the kept augmented completions' tokens
-        on_aug = x["aug"]  # [n_tok]
-        critical = on_aug & x["eligible"]  # where ω can differ from 1 (under sequence: its completion's product)
+    if prior_tok and prior_tok["aug"].any():  # over the kept augmented completions' tokens
+        on_aug = prior_tok["aug"]  # [n_tok]
+        critical = on_aug & prior_tok["eligible"]  # where ω can differ from 1 (under sequence: its completion's product)
         if critical.any():
             m["eapo/omega_mean"], m["eapo/omega_max"] = omega[critical].mean().item(), omega[critical].max().item()
         # our choice: the exact KL(π_old || π_RL) over the vocabulary, at the augmented rows' positions (the
         # prior never runs on ordinary rows); the paper's Fig. 3b plots a KL whose target is cut off
-        m["eapo/kl_prior"] = x["kl"][on_aug].mean().item()
+        m["eapo/kl_prior"] = prior_tok["kl"][on_aug].mean().item()
     return m
 
 
@@ -825,13 +826,13 @@ def main(argv=None):
         # our choice: the sampler's numbers, not a rescoring by the trainer: π_old / μ is then the exact ratio of
         # the distributions that drew the tokens, and no extra forward is needed (grpo.py skips it with μ = M = 1);
         # the sampling copy's own mismatch to the trainer is --tis-cap's, as in grpo.py
-        x, omega, loss_kw = {}, None, None
+        prior_tok, omega, loss_kw = {}, None, None  # the sampler's per-token values of the kept completions
         if aug_rows:
-            x = flat_extras(groups, keep_tok)
-            x["aug"] = aug.repeat_interleave(b.lengths)
+            prior_tok = flat_extras(groups, keep_tok)
+            prior_tok["aug"] = aug.repeat_interleave(b.lengths)
             seq_ids = torch.arange(len(b.tokens)).repeat_interleave(b.lengths)  # [n_tok] each token's completion
             cap = cfg.seq_cap if cfg.is_level == "sequence" else cfg.omega_cap
-            omega = is_weights(x["old_logp"], x["mu_logp"], cfg.is_level, cap, seq_ids)
+            omega = is_weights(prior_tok["old_logp"], prior_tok["mu_logp"], cfg.is_level, cap, seq_ids)
             loss_kw = {"weights": omega}
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
@@ -853,7 +854,7 @@ def main(argv=None):
                                if cfg.dynamic_sampling else 0, stats, (t0, t_sample, t_score, t_train))
         metrics["optim/lr"] = optimizer.param_groups[0]["lr"]
         metrics["response/overlong_masked"] = float(cfg.overlong_mask) * (~b.finished).sum().item()
-        metrics.update(eapo_metrics(lam, tau, groups, aug_all, correct_all, x, omega))
+        metrics.update(eapo_metrics(lam, tau, groups, aug_all, correct_all, prior_tok, omega))
         # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
                   "policy/": stats["tokens"]}

@@ -534,15 +534,6 @@ class QuestionStream:
         self.epoch, self.order, self.pos = s["epoch"], list(s["order"]), s["pos"]
 
 
-def gather(obj) -> list:
-    """Every rank's obj, in rank order (the buffer is per rank; rank 0 writes them all into the checkpoint)."""
-    if not dist.is_distributed():
-        return [obj]
-    out = [None] * dist.world()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 # -------------------------------------------------------------------------------------------- loss
 
 def token_loss(logp, old_logp, adv, entropy, cfg, ref_logp=None, replayed=None, past_logp=None, **kw):
@@ -580,7 +571,9 @@ def tis_cap(cfg, kw):
 
 
 def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
-    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    """grpo.py's token_loss written out: the fused policy_loss call inside token_loss above, without the replay terms
+    (tests/test_grpo.py checks the two equal). Returns ℓ [n] and where the clip cut the gradient (clipped_low,
+    clipped_high [n])."""
     old_logp = old_logp.detach()
     if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
         log_ratio = logp - old_logp
@@ -951,8 +944,8 @@ def main(argv=None):
                   "policy/": stats["tokens"]}
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=sums, maxes=METRIC_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:
-            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"exgrpo": gather(
-                {"buffer": exp.state_dict(), "stream": stream.state_dict(), "mixed": mixed})})
+            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"exgrpo": dist.all_gather_list(
+                [{"buffer": exp.state_dict(), "stream": stream.state_dict(), "mixed": mixed}])})  # per rank, rank order
         if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)
             optimizer.state.clear()  # need not be held through the last evaluation
         if step % cfg.eval_every == 0 or step == cfg.steps:

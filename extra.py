@@ -331,7 +331,9 @@ def tis_cap(cfg, kw):
 
 
 def token_loss_plain(logp, old_logp, adv, entropy, cfg, ref_logp=None, weights=None, seq_ids=None, sampler_logp=None):
-    """token_loss written out. Returns ℓ [n] and where the clip cut the gradient (clipped_low, clipped_high [n])."""
+    """grpo.py's token_loss written out: the fused policy_loss call inside token_loss above, without the dual clip
+    (tests/test_grpo.py checks the two equal). Returns ℓ [n] and where the clip cut the gradient (clipped_low,
+    clipped_high [n])."""
     old_logp = old_logp.detach()
     if seq_ids is None:  # r_t = π_θ / π_old, one ratio per token (PPO, arXiv 1707.06347 eq. 6)
         log_ratio = logp - old_logp

@@ -540,6 +540,23 @@ def test_on_a_cpu_augmented_completions_sample_apart_with_pi_rl_gone_before_the_
     assert rows_of("a")[1]["eapo/injected_ratio"] == 1.0
 
 
+def test_ranks_draw_disjoint_random_streams(in_tmp, models, monkeypatch):
+    """Under torchrun each rank samples its own prompts with seeds of its own: a step's augmented call, its
+    ordinary call (on a CPU) and π_RL's coins take seed, seed + 2 and seed + 1, and rank r starts at 3r, so that no
+    two ranks share a stream (with a start of r, rank 1's policy draws repeated rank 0's coins)."""
+    seeds = {}
+    real_generate, real_init = eapo.generate, eapo.PriorMix.__init__
+    monkeypatch.setattr(eapo, "generate", lambda *a, **kw: seeds[rank].append(kw["seed"]) or real_generate(*a, **kw))
+    monkeypatch.setattr(eapo.PriorMix, "__init__", lambda self, lam, tau, temperature, seed, device="cpu":
+                        seeds[rank].append(seed) or real_init(self, lam, tau, temperature, seed, device))
+    monkeypatch.setattr(eapo.dist, "world", lambda: 2)  # as under torchrun --nproc_per_node=2
+    for rank in (0, 1):
+        seeds[rank] = []
+        monkeypatch.setattr(eapo.dist, "rank", lambda: rank)
+        eapo.main(run_args(models, "--steps", "1", "--run-name", f"r{rank}", "--prior", str(models[1]), "--tau", "0"))
+    assert len(seeds[0]) == len(seeds[1]) == 3 and len(set(seeds[0]) | set(seeds[1])) == 6, seeds
+
+
 # A run cut at step 2 by a crash had taken the whole run's rates; asked for 2 steps, it would decay its own last steps
 # (--decay-steps): it runs without the decay, which in the 4-step run is still under the warm-up at steps 1 and 2.
 AS_IF_CUT = ["--decay-steps", "0"]

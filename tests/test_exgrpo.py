@@ -650,6 +650,10 @@ def test_resume_with_a_full_buffer_is_exact(in_tmp, soft_model_dir):
         main_guard(lambda: exgrpo.main([*common, "--run-name", "straight", "--steps", "6", "--resume",
                                         "--temperature", "0.9"]))
     assert e.value.code == 2
+    # resumed with ρ = 0 from a checkpoint in the mixed phase: ExGRPO off from there on, as a ρ = 0 run is
+    exgrpo.main([*common, "--run-name", "straight", "--steps", "5", "--resume", "--replay-ratio", "0"])
+    after = [r for r in rows(in_tmp / "runs/straight/metrics.jsonl") if "reward/acc" in r][4:]
+    assert len(after) == 1 and after[0]["exgrpo/mixed"] == 0 and after[0]["exgrpo/replay_share"] == 0
     # a checkpoint without the buffers (e.g. grpo.py's) cannot be resumed: one line, exit 2
     ckpt = in_tmp / "runs/straight/checkpoint/trainer.pt"
     saved = torch.load(ckpt, weights_only=False)
@@ -705,6 +709,17 @@ def test_bad_options_are_one_line_errors(in_tmp, bad, capsys):
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert bad[0] in err or bad[0][2:].replace("-", "_") in err
     assert not (in_tmp / "runs").exists()  # refused before anything is written
+
+
+def test_fewer_questions_than_processes_is_a_one_line_error(in_tmp, soft_model_dir, monkeypatch, capsys):
+    """Each process owns the questions whose index is its rank mod the world size: with fewer questions than
+    processes a rank would own none, and its question stream would look for one forever."""
+    from common.config import main_guard
+    monkeypatch.setattr(exgrpo.dist, "world", lambda: 2)  # as under torchrun --nproc_per_node=2, rank 0
+    with pytest.raises(SystemExit) as e:
+        main_guard(lambda: exgrpo.main(["--model", str(soft_model_dir), "--steps", "1", *RUN, "--train-size", "1"]))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--train-size" in err and "2 questions" in err
 
 
 def test_scoring_pass_covers_every_row_under_torchrun(monkeypatch):

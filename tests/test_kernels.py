@@ -527,6 +527,26 @@ def test_policy_loss_kl_to_itself_is_zero(backend):
     assert torch.equal(loss, loss_kl) and torch.equal(grad, grad_kl)
 
 
+def test_outputs_are_separate_tensors_a_caller_may_modify_in_place(backend):
+    """Each op's outputs are tensors of their own, not views into one buffer: a caller (or autograd) may modify one
+    in place, and the others stay as they were (an output that is a view of a custom Function's buffer refuses an
+    in-place change under autograd)."""
+    logits, targets = random_logits(6, 300, torch.float32, seed=3)
+    hidden, weight, ids = hidden_weight(6, 16, 300, torch.float32, seed=3)
+    logp, old_logp, adv = policy_inputs(12)
+    calls = [lambda: backend.logprobs_entropy(logits.requires_grad_(True), targets),
+             lambda: backend.linear_logprobs_entropy(hidden.requires_grad_(True), weight, ids),
+             lambda: backend.policy_loss(logp.requires_grad_(True), old_logp, adv, EPS_LOW, EPS_HIGH)]
+    for call in calls:
+        outs = call()
+        before = [o.detach().clone() for o in outs]
+        for k, out in enumerate(outs):
+            out.add_(1) if out.dtype.is_floating_point else out.logical_not_()
+            assert all(torch.equal(o.detach(), b) for j, (o, b) in enumerate(zip(outs, before)) if j != k)
+            assert not torch.equal(out.detach(), before[k])
+            before[k] = out.detach().clone()
+
+
 def test_policy_loss_rejects_unbroadcast_advantages():
     logp = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="advantages has shape \\[2\\]"):

@@ -320,12 +320,12 @@ def test_companion_follows_its_rows_with_its_own_cache(tiny):
     prompts = rand_prompts([4, 7, 5], seed=8)
     ns, follow, prefixes = [2, 1, 3], [1, 2, 4], [[], [9, 10], []]
     stops = list(range(0, 256, 7))
-    seen = {}  # (sample, step) -> the companion's logits
+    seen = {}  # (sample, position) -> the companion's logits
 
-    def mix(step, tokens, logits, companion_logits, rows):
+    def mix(t, tokens, logits, companion_logits, rows):
         assert set(rows.tolist()) <= set(follow)
         assert logits.shape == companion_logits.shape == (len(rows), 256) and tokens.shape == rows.shape
-        seen.update({(r, step): x for r, x in zip(rows.tolist(), companion_logits)})
+        seen.update({(r, t): x for r, x in zip(rows.tolist(), companion_logits)})
         greedy = companion_logits.argmax(-1)
         return greedy, {"prior_logp": torch.log_softmax(companion_logits, -1).gather(-1, greedy[:, None])[:, 0],
                         "draft": tokens}
@@ -376,6 +376,18 @@ def test_static_decode_step_equals_eager(tiny, monkeypatch):
     assert [s.tokens for g in a for s in g] == [s.tokens for g in b for s in g]
     # sampled: other draws than the default path (which drops finished rows), but the same scores
     check_scores(model, prompts, generate(model, prompts, temperature=0.9, compile=True, **kw), 0.9)
+
+
+def test_compile_cache_is_keyed_on_the_options(monkeypatch):
+    """One compiled function per (function, options): a call with CUDA graphs after one without gets its own."""
+    monkeypatch.setattr(sampler, "_compiled", {})
+    made = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or (lambda *a: (fn, kw)))
+    plain = sampler._compile(sampler.decode_step_static, mode=None, fullgraph=True)
+    graphs = sampler._compile(sampler.decode_step_static, mode="reduce-overhead", fullgraph=True)
+    assert plain() == (sampler.decode_step_static, {"mode": None, "fullgraph": True})
+    assert graphs() == (sampler.decode_step_static, {"mode": "reduce-overhead", "fullgraph": True})
+    assert sampler._compile(sampler.decode_step_static, fullgraph=True, mode=None) is plain and len(made) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled CUDA-graph decode step only runs on a GPU; CI has none")
