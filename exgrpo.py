@@ -38,8 +38,6 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime
-from pathlib import Path
 
 import torch
 
@@ -168,7 +166,8 @@ def validate(cfg: Config):
         check(getattr(cfg, name) >= 0, name, "a non-negative integer")
     # a group of one has no baseline: its advantage would be 0 and it would never learn anything
     check(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
-    check(cfg.temperature > 0, "temperature", "a positive number (the trainer divides logits by it)")
+    # below 0.01, fp32 logits / T overflow (and sampling there is nearly greedy anyway)
+    check(cfg.temperature >= 0.01, "temperature", "a number >= 0.01 (the trainer divides logits by it)")
     check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
     check(0 <= cfg.eps_low < 1 and cfg.eps_high >= 0, "eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0")
     check(cfg.lr > 0 and cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "lr/kl_coef/entropy_coef",
@@ -180,7 +179,8 @@ def validate(cfg: Config):
           "a buffer shorter than max_new_tokens and a penalty >= 0")
     check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy",
           "a δ >= 0, a fraction in (0, 1]")
-    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "adam_beta1/adam_beta2", "numbers in [0, 1)")
+    check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1 and cfg.weight_decay >= 0,
+          "adam_beta1/adam_beta2/weight_decay", "betas in [0, 1) and weight_decay >= 0")
     check(cfg.prompts_per_step % dist.world() == 0, "prompts_per_step", f"a multiple of the world size {dist.world()}")
     # ranks would drop different numbers of groups and disagree on how many gradient all-reduces to run
     check(not (cfg.dynamic_sampling and dist.world() > 1), "dynamic_sampling",
@@ -773,13 +773,8 @@ def main(argv=None):
     check(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cpu or auto: this machine has no CUDA GPU")
     device = dist.setup(cfg.device)
     validate(cfg)
-    cfg.run_name = cfg.run_name or datetime.now().strftime("exgrpo-%Y%m%d-%H%M%S")
-    run_dir, ckpt_dir = Path("runs") / cfg.run_name, Path("runs") / cfg.run_name / "checkpoint"
-    ckpt = checkpoint.find(ckpt_dir) if cfg.resume else None
-    check(not cfg.resume or ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found)")
-    check(cfg.resume or not (run_dir / "metrics.jsonl").exists(), "run_name",
-          f"a new name: {run_dir} already holds a run (add --resume to continue it)")
-    state = checkpoint.load_trainer_state(ckpt) if ckpt else None
+    # runs/<run-name>/, and with --resume its newest checkpoint and trainer state (the RNG states restored)
+    run_dir, ckpt_dir, ckpt, state = checkpoint.open_run(cfg)
     if state is not None:
         check_resume(cfg, state["extra"].get("config", {}))
         saved = state["extra"].get("exgrpo", [])
@@ -917,8 +912,8 @@ def main(argv=None):
         skipped_in_a_row = int(stats["skipped_since_last_step"]) + (skipped_in_a_row if stats["opt_steps"] == 0 else 0)
         if skipped_in_a_row >= cfg.max_skipped:  # a diverged run: stop before it wastes more time
             raise RunError(f"step {step}: {skipped_in_a_row} optimizer steps in a row skipped for a non-finite or too "
-                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. The last checkpoint "
-                           f"in {ckpt_dir} is intact")
+                           f"large gradient norm (last {stats['last_grad_norm']:.3g}); lower --lr. "
+                           f"{checkpoint.kept(ckpt_dir)}")
         dist.sync_rollout(model, rollout)
         exp.purge()
         correct_sum, rollouts = dist.all_reduce_sum(torch.tensor([correct_all.sum().item(), len(correct_all)])).tolist()
@@ -958,6 +953,8 @@ def main(argv=None):
         print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
               f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
+    elif dist.is_main():
+        print(f"nothing to train: {run_dir} has trained {start_step} steps (--steps {cfg.steps}); raise --steps to go on")
     log.close()
     dist.cleanup()
 

@@ -9,7 +9,9 @@ renames, so a crash at any moment leaves either the old or the new checkpoint wh
 import dataclasses
 import random
 import shutil
+import sys
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,8 @@ import torch
 from safetensors import SafetensorError
 
 from common import dist
-from common.errors import RunError
+from common.config import check
+from common.errors import ConfigError, RunError
 from common.hub import resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -55,11 +58,10 @@ def save_run(model, optimizer, ckpt_dir, step: int, cfg, extra: dict | None = No
     rank 0; never from non-finite weights, which would replace the last good checkpoint with garbage."""
     weights, optim_state = dist.full_state_dict(model), dist.optimizer_state(model, optimizer)
     if not all(torch.isfinite(dist.local(w)).all() for w in weights.values()):
-        raise RunError(f"step {step}: the weights are not finite; not saved. The last good checkpoint in {ckpt_dir} "
-                       "is intact (rerun with --resume and a lower --lr)")
+        raise RunError(f"step {step}: the weights are not finite; not saved (lower --lr). {kept(ckpt_dir)}")
     if dist.is_main():
         save(ckpt_dir, model, weights, optim_state, step, model_source=resolve_model_dir(cfg.model),
-             extra={"config": dataclasses.asdict(cfg), **(extra or {})})
+             extra={"config": dataclasses.asdict(cfg), "algorithm": algorithm(cfg), **(extra or {})})
     dist.barrier()
 
 
@@ -78,9 +80,51 @@ def find(ckpt_dir) -> Path | None:
 
 def load_trainer_state(ckpt: Path) -> dict:
     """The saved step, optimizer state and extras; restores the RNG states as a side effect."""
-    state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
-    set_rng_state(state["rng"])
+    try:
+        state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+        step, _ = int(state["step"]), state["optimizer"]
+        set_rng_state(state["rng"])
+    except Exception as e:  # truncated, overwritten or foreign: torch.load and pickle raise many kinds
+        raise ConfigError(f"--resume: expected a readable checkpoint; {ckpt / 'trainer.pt'} is damaged "
+                          f"({type(e).__name__}: {_reason(e)[:120]})") from None
+    state["step"] = step
     return state
+
+
+def algorithm(cfg) -> str:
+    """The name of the algorithm file whose Config cfg is (grpo, exgrpo, ...), also when it runs as __main__."""
+    return Path(sys.modules[type(cfg).__module__].__file__).stem
+
+
+def open_run(cfg):
+    """The run's folder and, with --resume, its newest checkpoint and trainer state (the RNG states restored). Names
+    an unnamed run <algorithm>-<date-time>. Refuses in one line: a name already taken by another run (or by a file),
+    --resume where nothing was saved, and a checkpoint that is damaged or that another algorithm file wrote.
+    Returns run_dir, ckpt_dir, ckpt (None on a fresh run) and state (None on a fresh run)."""
+    algo = algorithm(cfg)
+    cfg.run_name = cfg.run_name or datetime.now().strftime(f"{algo}-%Y%m%d-%H%M%S")
+    run_dir = Path("runs") / cfg.run_name
+    ckpt_dir = run_dir / "checkpoint"
+    check(not run_dir.exists() or run_dir.is_dir(), "run_name", f"a name for a folder: {run_dir} is a file")
+    started, ckpt = (run_dir / "metrics.jsonl").exists(), find(ckpt_dir)
+    if not cfg.resume:
+        check(not started, "run_name", f"a new name: {run_dir} already holds a run (" +
+              ("add --resume to continue it)" if ckpt else "which saved no checkpoint: delete it to start it again)"))
+        return run_dir, ckpt_dir, None, None
+    check(ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found" +
+          ("; the run stopped before its first one: delete the folder to start it again)" if started else ")"))
+    state = load_trainer_state(ckpt)
+    saved = state["extra"].get("algorithm", algo)  # checkpoints of before 2026-11-28 do not say
+    check(saved == algo, "resume", f"a checkpoint of {algo}.py; {ckpt} was written by {saved}.py (to start "
+          f"{algo}.py from its weights, pass --model {ckpt} and a new --run-name)")
+    return run_dir, ckpt_dir, ckpt, state
+
+
+def kept(ckpt_dir) -> str:
+    """What a run that stops now leaves behind, for its last message."""
+    if find(ckpt_dir):
+        return f"The last checkpoint in {ckpt_dir} is intact (rerun with --resume to continue from it)"
+    return f"No checkpoint was saved yet (delete {Path(ckpt_dir).parent} to start the run again)"
 
 
 def rng_state() -> dict:

@@ -12,6 +12,7 @@ default; the module docstring's first paragraph is the description. Booleans tak
 import argparse
 import dataclasses
 import inspect
+import math
 import re
 import sys
 
@@ -47,6 +48,17 @@ class _OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _finite_float(text: str) -> float:
+    """A float option's value: nan and inf are refused (no option means them; they would train on NaN)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def parse(cls, argv=None):
     """Build a command line from the dataclass `cls` and return an instance filled from `argv`."""
     helps = _field_comments(cls)
@@ -58,6 +70,7 @@ def parse(cls, argv=None):
         help_text = helps.get(f.name, "").replace("%", "%%")  # argparse %-formats help; "50%" would raise
         kw = dict(default=f.default, help=help_text or "(default: %(default)s)", dest=f.name)  # blank: not shown
         typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), str)
+        typ = _finite_float if typ is float else typ
         if typ is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
@@ -82,5 +95,5 @@ def main_guard(main):
         sys.stderr.write(f"error: {e}\n")
         sys.exit(1)
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted: the last checkpoint is intact; rerun with --resume to continue\n")
+        sys.stderr.write("interrupted: any checkpoint saved is intact; rerun with --resume to continue from it\n")
         sys.exit(130)

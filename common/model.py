@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -443,10 +444,17 @@ class Transformer(nn.Module):
         cfg = ModelConfig.from_hf(_read_json(folder / "config.json"), str(folder / "config.json"))
         dtype = dtype or torch.float32
         with torch.device("meta"):
-            model = cls(cfg)
+            try:
+                model = cls(cfg)
+            except (TypeError, ValueError, RuntimeError) as e:  # a field of the wrong type or sign: "30", -1, ...
+                raise ModelError(f"{folder / 'config.json'}: cannot build the model ({_reason(e)})") from None
         state = {}
         for f in _weight_files(folder):
-            for name, t in load_file(str(f), device=str(device or "cpu")).items():
+            try:
+                tensors = load_file(str(f), device=str(device or "cpu"))
+            except (SafetensorError, OSError) as e:  # a truncated or foreign file
+                raise ModelError(f"{f}: not readable safetensors ({_reason(e)})") from None
+            for name, t in tensors.items():
                 state[name.removeprefix("model.")] = t.to(dtype)
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -457,6 +465,11 @@ class Transformer(nn.Module):
         unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
         if unexpected:
             raise ModelError(f"{folder}: unexpected tensor {unexpected[0]!r} for model_type {cfg.model_type!r}")
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        wrong = sorted(k for k in expected if state[k].shape != shapes[k])
+        if wrong:
+            raise ModelError(f"{folder}: tensor {wrong[0]!r} has shape {tuple(state[wrong[0]].shape)}, config.json "
+                             f"says {tuple(shapes[wrong[0]])} ({len(wrong)} such tensors)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -499,9 +512,18 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ModelError(f"{path}: not found (a model folder needs config.json and safetensors weights)")
     try:
-        return json.loads(path.read_text())
+        d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ModelError(f"{path}: not readable as JSON ({type(e).__name__})") from None
+    if not isinstance(d, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _reason(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -14,6 +14,7 @@ split="all" gives every problem of a file (e.g. to evaluate on all of MATH-500).
 
 import hashlib
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -136,8 +137,10 @@ def arith_problems(n: int, split: str = "train", seed: int = 0, levels=ARITH_LEV
 def _answer_text(value) -> str | None:
     if isinstance(value, str):
         return value.strip()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(int(value)) if float(value).is_integer() else repr(value)  # AMC: 27.0 -> "27"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # not through float: an integer of 400 digits is still exact
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() else repr(value)  # AMC: 27.0 -> "27"
     return None
 
 
@@ -152,7 +155,12 @@ def _problem(d, where: str) -> Problem:
         raise DataError(f"{where}: field '{key}' must be a non-empty string")
     answer = _answer_text(d["answer"])
     if not answer:
-        raise DataError(f"{where}: field 'answer' must be a non-empty string or a number")
+        raise DataError(f"{where}: field 'answer' must be a non-empty string or a finite number")
+    for name, text in ((key, d[key]), ("answer", answer)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # JSON's \ud800 escapes decode to a lone surrogate, which no tokenizer can encode
+            raise DataError(f"{where}: field '{name}' holds an unpaired UTF-16 surrogate (a \\uD800-\\uDFFF escape)") from None
     meta = {k: v for k, v in d.items() if k not in ("problem", "question", "prompt", "answer")}
     if key == "question" and "####" in answer:  # GSM8K: worked solution ending in "#### 1,234"
         meta["solution"] = answer
@@ -175,10 +183,14 @@ def load_jsonl(path) -> list[Problem]:
                 line = raw.decode("utf-8").strip()
                 if line:
                     problems.append(_problem(json.loads(line), where))
+            except DataError:
+                raise
             except UnicodeDecodeError:
                 raise DataError(f"{where}: not UTF-8 text; {EXPECTED}") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: invalid JSON ({e.msg}, column {e.colno}); {EXPECTED}") from None
+            except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; nesting deeper than Python's stack
+                raise DataError(f"{where}: unreadable JSON ({str(e)[:100] or type(e).__name__}); {EXPECTED}") from None
     if not problems:
         raise DataError(f"{path}: no problems in the file; {EXPECTED}, one per line")
     return problems

@@ -38,8 +38,17 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise ModelError(f"{folder}: no tokenizer.json")
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), config)
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ModelError(f"{config_file}: not valid JSON ({str(e)[:200]})") from None
+        if not isinstance(config, dict):
+            raise ModelError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        try:
+            tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises its own plain Exception for a malformed file
+            raise ModelError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({str(e)[:200]})") from None
+        return cls(tok, config)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (like <|im_start|>) become their ids.

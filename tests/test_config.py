@@ -69,3 +69,14 @@ def test_parse_reads_flags_and_refuses_a_bad_choice_in_one_line(capsys):
         parse(Config, ["--name", "odd"])
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_a_float_option_refuses_non_finite_values_in_one_line(value, capsys):
+    """No option means inf or nan; before, --format-reward nan or ExTra's --alpha inf trained every step on NaN
+    (each update skipped) and a run of one step ended with "done"."""
+    with pytest.raises(SystemExit) as e:
+        parse(Config, [f"--rate={value}"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--rate" in err and "finite" in err
+    assert parse(Config, ["--rate", "-0.001"]).rate == -0.001

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -304,6 +305,45 @@ def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):
     assert (ckpt / "model.safetensors").read_bytes() == good
 
 
+def test_open_run_refuses_in_one_line_what_cannot_be_started_or_resumed(tmp_path, tiny_model_dir, monkeypatch):
+    """checkpoint.open_run, the five files' first step: a run name taken by a file, a run that saved no checkpoint
+    (before: neither reusable nor resumable, and no word of deleting it), a damaged trainer.pt (before: a torch.load
+    traceback) and another algorithm file's checkpoint (before: a KeyError in xrpo.py, extra.py and eapo.py, and
+    grpo.py went on silently)."""
+    from common.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+
+    def refused(name, resume, match):
+        with pytest.raises(ConfigError, match=match):
+            checkpoint.open_run(grpo.Config(model=str(tiny_model_dir), run_name=name, resume=resume))
+
+    (tmp_path / "runs/file").write_text("")
+    refused("file", False, "is a file")
+    (tmp_path / "runs/dead").mkdir()
+    (tmp_path / "runs/dead/metrics.jsonl").write_text("")  # a run that stopped before its first checkpoint
+    refused("dead", False, "saved no checkpoint: delete it")
+    refused("dead", True, "before its first one: delete the folder")
+    assert checkpoint.kept("runs/dead/checkpoint").startswith("No checkpoint was saved yet")
+    cfg = grpo.Config(model=str(tiny_model_dir), run_name="fresh")
+    assert checkpoint.open_run(cfg)[2:] == (None, None)
+    assert checkpoint.open_run(grpo.Config(model=str(tiny_model_dir)))[0].name.startswith("grpo-")  # an unnamed run
+    m = Transformer.from_pretrained(tiny_model_dir)
+    checkpoint.save_run(m, AdamW(m.parameters(), lr=1e-3), "runs/fresh/checkpoint", 3, cfg)
+    (tmp_path / "runs/fresh/metrics.jsonl").write_text("")
+    refused("fresh", False, "add --resume")
+    assert checkpoint.kept("runs/fresh/checkpoint").startswith("The last checkpoint in runs/fresh/checkpoint is intact")
+    run_dir, _, ckpt, state = checkpoint.open_run(replace(cfg, resume=True))
+    assert run_dir == Path("runs/fresh") and ckpt is not None and state["step"] == 3
+    assert state["extra"]["algorithm"] == "grpo"
+    saved = torch.load(ckpt / "trainer.pt", weights_only=False)
+    saved["extra"]["algorithm"] = "xrpo"
+    torch.save(saved, ckpt / "trainer.pt")
+    refused("fresh", True, "a checkpoint of grpo.py; .* was written by xrpo.py")
+    (ckpt / "trainer.pt").write_bytes((ckpt / "trainer.pt").read_bytes()[:1000])  # truncated
+    refused("fresh", True, "trainer.pt is damaged")
+
+
 def test_lr_warms_up_holds_then_decays_over_the_last_steps():
     f = [grpo.lr_factor(s, grpo.Config(steps=15, warmup_steps=3, decay_steps=3)) for s in range(15)]
     assert f == pytest.approx([1 / 3, 2 / 3] + [1.0] * 10 + [3 / 4, 2 / 4, 1 / 4])  # the last update is small, not 0
@@ -513,13 +553,16 @@ def test_resume_after_a_torn_metrics_line_and_refuses_other_data(tmp_path, digit
     assert r.returncode == 2 and "--seed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     run_grpo(tmp_path, *argv, "--steps", "2", "--resume")
     assert [row["step"] for row in metrics(tmp_path, "torn") if "reward/mean" in row] == [1, 2]
+    # resumed at its end: one line says so (before: exit 0 and nothing printed at all)
+    r = run_grpo(tmp_path, *argv, "--steps", "2", "--resume")
+    assert "nothing to train: runs/torn has trained 2 steps (--steps 2)" in r.stdout, r.stdout
 
 
 def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir):
     (tmp_path / "runs" / "taken").mkdir(parents=True)
     (tmp_path / "runs" / "taken" / "metrics.jsonl").write_text('{"step": 0}\n')
     r = run_grpo(tmp_path, "--model", str(tiny_model_dir), "--run-name", "taken", *TINY_RUN, check=False)
-    assert r.returncode == 2 and "--resume" in r.stderr
+    assert r.returncode == 2 and "--run-name" in r.stderr and "saved no checkpoint: delete it" in r.stderr
     assert (tmp_path / "runs" / "taken" / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 

@@ -165,6 +165,40 @@ def test_missing_config_field(hf_tiny):
     one_line_error(lambda: Transformer.from_pretrained(folder), "config.json", "num_hidden_layers")
 
 
+@pytest.mark.parametrize("damage, words", [
+    ("config_list", ["config.json", "expected a JSON object"]),
+    ("config_string_layers", ["config.json", "cannot build the model"]),
+    ("config_wrong_size", ["has shape", "config.json says"]),
+    ("weights_truncated", ["model.safetensors", "not readable safetensors"]),
+])
+def test_a_damaged_model_folder_is_a_one_line_error(hf_tiny, damage, words):
+    """Each of these was a traceback (AttributeError, TypeError, RuntimeError's size mismatch, SafetensorError)."""
+    _, _, folder = hf_tiny
+    cfg = json.loads((folder / "config.json").read_text())
+    if damage == "config_list":
+        (folder / "config.json").write_text("[]")
+    elif damage == "config_string_layers":
+        (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": str(cfg["num_hidden_layers"])}))
+    elif damage == "config_wrong_size":
+        (folder / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] + 8}))
+    else:
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    one_line_error(lambda: Transformer.from_pretrained(folder), *words)
+
+
+@pytest.mark.parametrize("name, text", [("tokenizer.json", '{"version": '), ("tokenizer_config.json", "{oops"),
+                                        ("tokenizer_config.json", "[1]")])
+def test_a_damaged_tokenizer_is_a_one_line_error(tiny_model_dir, tmp_path, name, text):
+    import shutil
+
+    from common.tokenizer import Tokenizer
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / name).write_text(text)
+    one_line_error(lambda: Tokenizer.from_pretrained(folder), name)
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("model_type", "mamba", ["model_type", "mamba"]),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, ["yarn"]),

@@ -105,7 +105,11 @@ def test_formats_are_detected_per_line(tmp_path):
     ('{"question": "Q"}', "got fields question"),
     ('{"text": "Q", "answer": "1"}', "expected a JSON object"),
     ('{"problem": 5, "answer": "1"}', "field 'problem' must be a non-empty string"),
-    ('{"problem": "Q", "answer": ["1"]}', "field 'answer' must be a non-empty string or a number"),
+    ('{"problem": "Q", "answer": ["1"]}', "field 'answer' must be a non-empty string or a finite number"),
+    ('{"problem": "Q", "answer": NaN}', "field 'answer' must be a non-empty string or a finite number"),
+    ('{"problem": "Q\\ud800", "answer": "1"}', "field 'problem' holds an unpaired UTF-16 surrogate"),
+    ('[' * 100_000 + ']' * 100_000, "unreadable JSON"),  # deeper than Python's stack: a RecursionError before
+    ('{"problem": "Q", "answer": 1' + '0' * 5000 + '}', "unreadable JSON"),  # over Python's 4300-digit limit
     ('{"problem": "Q", "answer": true}', "field 'answer'"),
     ('{"question": "Q", "answer": "so\\n####  "}', "nothing after '####'"),
 ])
@@ -115,6 +119,12 @@ def test_malformed_line_names_file_and_line(tmp_path, line, says):
         load_jsonl(path)
     msg = str(e.value)
     assert msg.startswith(f"{path}:2: ") and says in msg and "\n" not in msg
+
+
+def test_a_long_integer_answer_stays_exact(tmp_path):
+    """An integer answer is not read through a float: 401 digits would overflow it (a traceback before)."""
+    assert load_jsonl(write(tmp_path, ['{"problem": "Q", "answer": 1' + "0" * 400 + "}"]))[0].answer == "1" + "0" * 400
+    assert load_jsonl(write(tmp_path, ['{"problem": "Q", "answer": 27.0}']))[0].answer == "27"
 
 
 def test_missing_and_empty_files(tmp_path):
