@@ -202,3 +202,28 @@ def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
     work = out[out.index("| sampling, ms per sampled token"):].split("\n\n")[0].splitlines()[2:]
     assert work == ["| grpo | 0 | 100.0 (1.00) | 0.0 | 100.0 (1.00) | 1.00 |",
                     "| xrpo | 0 | 200.0 (2.00) | 0.7 | 110.0 (1.10) | 1.43 |"], work
+
+
+def test_same_run_repeats_a_committed_run_and_names_a_differing_value(tmp_path, tiny_model_dir):
+    """bench/same_run.py: the first step of a default_run.py run again, equal in every metric but perf/; a value
+    changed in the committed metrics.jsonl is reported and the exit code is 1."""
+    bench(tmp_path, "--algo", "grpo", "--seeds", "0", "--", "--model", str(tiny_model_dir), *TINY[2:], "--steps", "2",
+          "--decay-steps", "0", "--temperature", "1.0")
+    folder = tmp_path / "runs"
+
+    def same_run():
+        return subprocess.run([sys.executable, str(REPO / "bench" / "same_run.py"), str(folder), "--algo", "grpo",
+                               "--steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    r = same_run()
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| grpo |"))
+    assert row.split("|")[4].strip() == "0" and int(row.split("|")[3]) > 10, row
+    metrics = next(folder.glob("bench-grpo-s0-*")) / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    step1 = next(r for r in lines if r["step"] == 1 and "reward/mean" in r)
+    step1["reward/mean"] += 0.5
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    r = same_run()
+    assert r.returncode == 1 and "step 1: reward/mean" in r.stdout, r.stdout

@@ -1,0 +1,58 @@
+"""What one decode step's matmuls cost on this CPU, by rows: a pass of fp32 products over SmolLM2-135M's weight shapes.
+
+    python bench/decode_gemm.py                 # 8, 32, 64, 128 rows; plain, fused q/k/v and gate/up, no LM head
+
+A decode step multiplies each row's hidden state by every weight matrix: 30 blocks of seven linears and the 49,152 x
+576 LM head, 538 MB in fp32. At few rows that is a matrix-vector product whose floor is reading the weights from
+memory; the table gives the time of one pass (best of --reps), the weight bytes read per second, the GFLOP/s, and the
+machine's memory read rate (a sum over 512 MB) to hold them against. Random weights of the real shapes.
+"""
+import argparse
+import time
+
+import torch
+
+D, F, KV, V, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M: hidden, MLP, k/v width (3 heads x 64), vocabulary
+
+
+def weights(layout: str) -> list:
+    """[(weight [out, in], input width)] of one decode step."""
+    block = {"plain": [(D, D), (KV, D), (KV, D), (D, D), (F, D), (F, D), (D, F)],  # q k v o, gate up down
+             "fused": [(D + 2 * KV, D), (D, D), (2 * F, D), (D, F)],  # qkv, o, gate+up, down
+             "no LM head": [(D, D), (KV, D), (KV, D), (D, D), (F, D), (F, D), (D, F)]}[layout]
+    ws = [torch.randn(o, i) for _ in range(LAYERS) for o, i in block]
+    return ws if layout == "no LM head" else ws + [torch.randn(V, D)]
+
+
+def best_of(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="8,32,64,128")
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    big = torch.randn(128 * 1024 * 1024)
+    read = big.numel() * 4 / best_of(big.sum, args.reps) / 1e9
+    del big
+    print(f"threads {torch.get_num_threads()}, memory read {read:.1f} GB/s (sum over 512 MB)\n")
+    print("| weights | rows | ms per pass | weight GB/s | GFLOP/s |\n|---|---|---|---|---|")
+    for layout in ("plain", "fused", "no LM head"):
+        ws = weights(layout)
+        nbytes = sum(w.numel() * 4 for w in ws)
+        for rows in map(int, args.rows.split(",")):
+            inputs = {D: torch.randn(rows, D), F: torch.randn(rows, F)}
+            s = best_of(lambda: [inputs[w.shape[1]] @ w.T for w in ws], args.reps)
+            print(f"| {layout} ({nbytes / 1e6:.0f} MB) | {rows} | {s * 1e3:.1f} | {nbytes / s / 1e9:.1f} | "
+                  f"{2 * rows * nbytes / 4 / s / 1e9:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
