@@ -33,6 +33,7 @@ the per-token ω lacks beyond one decision (is_weights).
 """
 import copy
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -192,7 +193,10 @@ def check_resume(cfg: Config, saved: dict):
         check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
               f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
     for name in EAPO_FIXED:
-        check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
+        was, now = saved.get(name, getattr(cfg, name)), getattr(cfg, name)
+        if name == "prior":  # the same folder however it is written (./runs/x/, runs/x)
+            was, now = os.path.realpath(was), os.path.realpath(now)
+        check(was == now, name,
               f"{saved.get(name)!r} as in the run being resumed (changing it changes the experience it trains on)")
 
 

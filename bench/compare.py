@@ -805,6 +805,10 @@ def main(argv=None):
         failed = [f"{k[0]} {k[1] or 'start'} s{k[2]}" for k, ok in done.items() if not ok]
     results, start, pools = collect(cfg, present, seeds)
     results = {a: results[a] for a in present if a in results}  # report order = --algos order
+    # an empty report would overwrite --out (a committed COMPARE.md) with nothing: refuse it, naming what was looked for
+    check(bool(results), "runs_dir", f"finished runs of {', '.join(present) or 'the --algos'} (seeds {cfg.seeds}) in "
+          f"{cfg.runs_dir}, made with these options (their names carry --eval-samples and the rest); none found, "
+          f"{cfg.out} left as it was")
     text = report(cfg, shlex.join(["python", "bench/compare.py", *argv]), results, start, pools,
                   None if cfg.report_only else time.time() - t0)
     Path(cfg.out).write_text(text)

@@ -39,6 +39,12 @@ def main():
     p.add_argument("--rows", default="8,32,64,128")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
+    try:
+        rows_list = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        rows_list = []
+    if not rows_list or min(rows_list) < 1 or args.reps < 1:
+        p.error("expected --rows as positive integers, e.g. 8,32, and --reps >= 1")
     big = torch.randn(128 * 1024 * 1024)
     read = big.numel() * 4 / best_of(big.sum, args.reps) / 1e9
     del big
@@ -47,7 +53,7 @@ def main():
     for layout in ("plain", "fused", "no LM head"):
         ws = weights(layout)
         nbytes = sum(w.numel() * 4 for w in ws)
-        for rows in map(int, args.rows.split(",")):
+        for rows in rows_list:
             inputs = {D: torch.randn(rows, D), F: torch.randn(rows, F)}
             s = best_of(lambda: [inputs[w.shape[1]] @ w.T for w in ws], args.reps)
             print(f"| {layout} ({nbytes / 1e6:.0f} MB) | {rows} | {s * 1e3:.1f} | {nbytes / s / 1e9:.1f} | "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from common.config import main_guard  # noqa: E402
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
@@ -44,7 +45,7 @@ def main():
     for name in ("generate", "update", "evaluate"):
         if hasattr(module, name):
             setattr(module, name, wrapped(name, getattr(module, name)))
-    module.main([a for a in sys.argv[2:] if a != "--"])
+    main_guard(lambda: module.main([a for a in sys.argv[2:] if a != "--"]))  # a bad option: one line, exit 2
 
 
 if __name__ == "__main__":

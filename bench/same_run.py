@@ -23,12 +23,20 @@ REPO = Path(__file__).resolve().parents[1]
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra")
 
 
+def fail(message: str):
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
+
+
 def rows(path: Path) -> dict:
     """metrics.jsonl -> {step: every metric logged at that step}."""
     out = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        out.setdefault(r["step"], {}).update(r)
+    try:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out.setdefault(r["step"], {}).update(r)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        fail(f"{path}: expected a run's metrics.jsonl, one JSON object with a step per line ({type(e).__name__})")
     return out
 
 
@@ -55,7 +63,10 @@ def compare(new: dict, old: dict, last: int):
 
 def committed_options(run: Path) -> list:
     """The committed run's options but its --run-name (bench.json's command: the script, then its options)."""
-    argv = json.loads((run / "bench.json").read_text())["command"][1:]
+    try:
+        argv = json.loads((run / "bench.json").read_text())["command"][1:]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"{run / 'bench.json'}: expected bench/default_run.py's record of the run, with its command ({type(e).__name__})")
     i = argv.index("--run-name") if "--run-name" in argv else None
     return argv if i is None else argv[:i] + argv[i + 2:]
 
@@ -68,7 +79,9 @@ def main():
     args = p.parse_args()
     algos = args.algo.split(",")
     if not set(algos) <= set(ALGOS) or not 1 <= args.steps <= 12:
-        sys.exit(f"error: --algo of {', '.join(ALGOS)} and 1 <= --steps <= 12")
+        fail(f"expected --algo of {', '.join(ALGOS)} and 1 <= --steps <= 12")
+    if not any(args.folder.glob("bench-*-s*")):
+        fail(f"{args.folder}: expected a folder of bench/default_run.py runs (bench-<algo>-s<seed>-...); none there")
     table, failed = [], False
     for algo in algos:
         runs = sorted(args.folder.glob(f"bench-{algo}-s*"))
@@ -80,7 +93,8 @@ def main():
             cmd = [sys.executable, str(REPO / f"{algo}.py"), *committed_options(runs[0]), "--run-name", "same",
                    "--steps", str(args.steps), "--decay-steps", "0"]
             print("running:", " ".join(cmd[1:]), flush=True)
-            subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL)
+            if subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL).returncode != 0:
+                fail(f"{algo}.py stopped with an error (its last line above): not compared")
             new = rows(Path(cwd) / "runs/same/metrics.jsonl")
         same, differ, only_new = compare(new, old, args.steps)
         failed |= bool(differ)

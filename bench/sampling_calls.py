@@ -16,6 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from common.config import main_guard  # noqa: E402
 
 
 def wrap(module):
@@ -44,7 +45,7 @@ def main():
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     module = importlib.import_module(args.algo)
     wrap(module)
-    module.main(rest)
+    main_guard(lambda: module.main(rest))  # a bad option of the file: its one line, exit 2
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model
     run started from, whose tokenizer files are copied along."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_dir.parent.glob(ckpt_dir.name + ".tmp-*"):  # the half-written folder of a killed save
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt_dir.parent, prefix=ckpt_dir.name + ".tmp-"))
     try:
         model.save_pretrained(tmp, state_dict=weights)
@@ -44,6 +46,9 @@ def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model
         shutil.rmtree(tmp, ignore_errors=True)
         kept = f"the checkpoint of an earlier step in {ckpt_dir} is kept" if find(ckpt_dir) else "no checkpoint was kept"
         raise RunError(f"writing the checkpoint of step {step} to {ckpt_dir} failed ({_reason(e)}); {kept}") from e
+    except BaseException:  # Ctrl-C during the save: no half-written folder is left behind either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = ckpt_dir.with_name(ckpt_dir.name + ".old")
     if ckpt_dir.exists():
         shutil.rmtree(old, ignore_errors=True)

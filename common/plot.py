@@ -14,14 +14,27 @@ DEFAULT = ["eval/greedy_acc", "reward/mean", "response/len_mean", "policy/entrop
 def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
-        raise SystemExit(f"error: {path}: not found (expected a run folder holding metrics.jsonl)")
+        fail(f"{path}: not found (expected a run folder holding metrics.jsonl)")
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        fail(f"{path}: not text (expected a run folder or its metrics.jsonl)")
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise SystemExit(f"error: {path}:{i}: not a JSON object") from None
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            fail(f"{path}:{i}: expected a JSON object with a step, one per line")
+        rows.append(row)
     return rows
+
+
+def fail(message: str):
+    """A user mistake: one line, exit 2 (as the algorithm files' main_guard)."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
 
 
 def main(argv=None):
@@ -30,19 +43,26 @@ def main(argv=None):
     p.add_argument("--metrics", nargs="+", default=DEFAULT, help="metric names, one panel each")
     p.add_argument("--out", default="curves.png", help="the PNG to write")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if out.suffix.lower() != ".png" or not out.parent.is_dir():
+        fail(f"--out: expected a .png file in an existing folder, got {args.out}")
+    runs = {run: read_metrics(run) for run in args.runs}  # every file read (and refused) before anything is drawn
     try:  # matplotlib is optional: only this script needs it
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        sys.exit("error: plotting needs matplotlib: pip install matplotlib")
+        fail("plotting needs matplotlib: pip install matplotlib")
     fig, axes = plt.subplots(1, len(args.metrics), figsize=(4.2 * len(args.metrics), 3.4), squeeze=False)
-    for run in args.runs:
-        rows = read_metrics(run)
+    for run, rows in runs.items():
         for ax, name in zip(axes[0], args.metrics):
             pts = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if name.startswith("eval/") else None, label=run.name)
+    logged = {k for rows in runs.values() for r in rows for k in r}
+    unknown = [name for name in args.metrics if name not in logged and args.metrics != DEFAULT]
+    if unknown:
+        fail(f"--metrics: {unknown[0]} is not logged by these runs (they log e.g. {', '.join(sorted(logged - {'step'})[:6])})")
     for ax, name in zip(axes[0], args.metrics):
         ax.set_title(name)
         ax.set_xlabel("step")

@@ -109,10 +109,17 @@ def test_two_algorithms_one_step_then_reuse(tiny_model_dir, workdir, monkeypatch
 
 def test_missing_file_is_skipped_and_bad_options_refused(workdir, monkeypatch, capsys):
     monkeypatch.setattr(compare, "REPO", workdir)  # a folder holding no algorithm file
-    compare.main(["--algos", "xrpo,extra", "--out", "t.md"])
+    (workdir / "t.md").write_text("a committed report")
+    with pytest.raises(ConfigError, match="--runs-dir: .*none found, t.md left as it was"):
+        compare.main(["--algos", "xrpo,extra", "--out", "t.md"])
     out = capsys.readouterr().out
     assert "skip xrpo:" in out and "skip extra:" in out and "not written yet" in out
-    assert not (workdir / "runs").exists() and "no algorithm" in (workdir / "t.md").read_text()
+    assert not (workdir / "runs").exists() and (workdir / "t.md").read_text() == "a committed report"
+    # no run where --report-only looks (a wrong folder, or other options than the runs'): the report is not emptied
+    monkeypatch.setattr(compare, "REPO", compare.Path(__file__).resolve().parents[1])
+    with pytest.raises(ConfigError, match="none found, t.md left as it was"):
+        compare.main(["--report-only", "--runs-dir", "nowhere", "--out", "t.md"])
+    assert (workdir / "t.md").read_text() == "a committed report"
     for argv, option in ((["--algos", "grpo,ppo"], "--algos"), (["--seeds", "a,b"], "--seeds"),
                          (["--eval-size", "10", "--curve-size", "20"], "--curve-size"), (["--jobs", "0"], "--jobs"),
                          (["--runs-dir", "elsewhere"], "--runs-dir")):

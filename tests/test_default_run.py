@@ -216,6 +216,9 @@ def test_same_run_repeats_a_committed_run_and_names_a_differing_value(tmp_path, 
                                "--steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
 
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "same_run.py"), str(tmp_path / "nowhere")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "nowhere: expected a folder" in r.stderr, r.stderr
     r = same_run()
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| grpo |"))

@@ -607,6 +607,10 @@ def test_resume_refuses_another_prior_or_schedule(in_tmp, models, capsys):
         code, err = run_cli(capsys, *common, "--steps", "2", "--resume", option, value)
         assert code == 2 and len(err.strip().splitlines()) == 1 and option in err, err
     assert sorted(rows_of("r")) == [1]  # nothing trained or logged after the refusals
+    # the same prior folder written another way is the same prior
+    eapo.main([*common[:-6], "--prior", str(models[1]) + "/", "--run-name", "r", "--tau", "0", "--steps", "2",
+               "--resume"])
+    assert sorted(rows_of("r")) == [1, 2]
 
 
 def test_metrics_omega_over_critical_tokens_and_no_ordinary_accuracy_without_ordinary_responses():

@@ -303,6 +303,25 @@ def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):
     with pytest.raises(RunError, match="not finite"):
         checkpoint.save_run(m, opt, ckpt, 2, cfg)
     assert (ckpt / "model.safetensors").read_bytes() == good
+    # a save killed half-way (SIGKILL) leaves its temporary folder: the next save removes it; one interrupted by
+    # Ctrl-C removes its own
+    (tmp_path / "checkpoint.tmp-killed").mkdir()
+    (tmp_path / "checkpoint.tmp-killed" / "trainer.pt").write_bytes(b"partial")
+    with torch.no_grad():
+        m.norm.weight[0] = 1.0
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    real_save = torch.save
+    torch.save = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save_run(m, opt, ckpt, 3, cfg)
+    finally:
+        torch.save = real_save
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert (ckpt / "model.safetensors").read_bytes() == good
 
 
 def test_open_run_refuses_in_one_line_what_cannot_be_started_or_resumed(tmp_path, tiny_model_dir, monkeypatch):
