@@ -37,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from common.plot import fail, read_metrics  # noqa: E402  (one line and exit 2 for an unreadable metrics.jsonl)
+
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 
 
@@ -87,9 +89,11 @@ def _prod(shape):
 
 def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None, predict_gflops: float = 111.0,
               gflops: tuple | None = None, flags: str | None = None):
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run)
     evals = [r for r in rows if "eval/greedy_acc" in r]
     steps = [r for r in rows if "perf/step_s" in r]
+    if not evals or not steps:
+        fail(f"{run / 'metrics.jsonl'}: expected a finished run's metrics, with evaluations and steps")
     mean = lambda k: sum(r[k] for r in steps) / len(steps)  # noqa: E731
     total = lambda k: sum(r.get(k, 0) for r in steps)  # noqa: E731
     params = n_params(run)

@@ -7,9 +7,11 @@ mechanism acted in a default run (docs/benchmarks.md, the README's last column).
 
 Counts summed over a run's steps (a prompt seeded at two steps counts twice); grpo.py's runs have no line.
 """
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.plot import read_metrics  # noqa: E402  (one line and exit 2 for an unreadable metrics.jsonl)
 
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 
@@ -42,7 +44,7 @@ def main():
     if not runs:
         sys.exit("bench/mechanisms.py: expected run folders holding metrics.jsonl (e.g. runs/bench-*)")
     for run in runs:
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = read_metrics(run)
         steps = [r for r in rows if "perf/step_s" in r]
         # bench-<algo>-s<seed>-... (bench/default_run.py) or <prefix>-<algo>-s<seed> (bench/compare.py)
         algo = next((part for part in run.name.split("-") if part in ALGOS), None)

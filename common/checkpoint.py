@@ -108,6 +108,8 @@ def open_run(cfg):
     Returns run_dir, ckpt_dir, ckpt (None on a fresh run) and state (None on a fresh run)."""
     algo = algorithm(cfg)
     cfg.run_name = cfg.run_name or datetime.now().strftime(f"{algo}-%Y%m%d-%H%M%S")
+    check(Path(cfg.run_name).name == cfg.run_name and cfg.run_name not in (".", ".."), "run_name",
+          f"a plain folder name for runs/<run-name> (no '/', '.' or '..'), got {cfg.run_name!r}")
     run_dir = Path("runs") / cfg.run_name
     ckpt_dir = run_dir / "checkpoint"
     check(not run_dir.exists() or run_dir.is_dir(), "run_name", f"a name for a folder: {run_dir} is a file")

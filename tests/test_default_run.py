@@ -230,3 +230,16 @@ def test_same_run_repeats_a_committed_run_and_names_a_differing_value(tmp_path, 
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
     r = same_run()
     assert r.returncode == 1 and "step 1: reward/mean" in r.stdout, r.stdout
+
+
+def test_unreadable_metrics_are_one_line_errors(tmp_path):
+    """--run and bench/mechanisms.py on a torn or empty metrics.jsonl: one line naming it, exit 2 (a traceback
+    before: JSONDecodeError, IndexError)."""
+    for name, text in (("torn", '{"step": 0, "eval/greedy_acc": 0.2}\n{"step": 1, "rew'), ("empty", "\n")):
+        run = tmp_path / f"bench-grpo-s0-{name}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(text)
+        for script in (["default_run.py", "--run"], ["mechanisms.py"]):
+            r = subprocess.run([sys.executable, str(REPO / "bench" / script[0]), *script[1:], str(run)],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1 and "metrics.jsonl" in r.stderr, (script, r.stderr)

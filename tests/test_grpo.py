@@ -339,6 +339,8 @@ def test_open_run_refuses_in_one_line_what_cannot_be_started_or_resumed(tmp_path
 
     (tmp_path / "runs/file").write_text("")
     refused("file", False, "is a file")
+    for outside in ("../x", "a/b", "..", "/tmp/x"):  # runs/<run-name> stays inside runs/
+        refused(outside, False, "a plain folder name")
     (tmp_path / "runs/dead").mkdir()
     (tmp_path / "runs/dead/metrics.jsonl").write_text("")  # a run that stopped before its first checkpoint
     refused("dead", False, "saved no checkpoint: delete it")
