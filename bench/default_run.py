@@ -341,6 +341,8 @@ def main():
                    help="matmul rate for the time prediction (111: fp32 on 2 cores of an AVX2-only AMD EPYC)")
     args, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
+    if args.jobs < 1 or args.held_out < 0 or not 0 < args.predict_gflops < float("inf"):
+        p.error("expected --jobs >= 1, --held-out >= 0 and a finite --predict-gflops > 0")
     if args.run:
         results, flags = [], []
         for run in args.run:

@@ -183,6 +183,8 @@ def main():
     parser.add_argument("--chunk-size", type=int, help="rows per chunk of ours (default: 2^25 // V)")
     parser.add_argument("--repeat", type=int, default=2, help="CPU runs per variant; the fastest is reported")
     args = parser.parse_args()
+    if min(args.n, args.d, args.V, args.repeat, args.chunk_size or 1) < 1:
+        parser.error("expected -n, -d, -V, --repeat and --chunk-size >= 1")
     if args.lm_head_blocks:
         lm_head_blocks_table(args.d, args.V)
     elif args.variant:

@@ -176,6 +176,8 @@ def main():
     ap.add_argument("--seeds", type=int, default=3, help="rollout rounds averaged")
     ap.add_argument("--tmp", default="/tmp/rlvr-bench", help="where the GPU section saves its random model")
     args = ap.parse_args()
+    if min(args.threads, args.new, args.reps, args.seeds, *args.batches, *args.gpu_batches) < 1:
+        ap.error("expected --threads, --new, --reps, --seeds and every batch size >= 1")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 

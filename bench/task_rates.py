@@ -43,6 +43,8 @@ def main(argv=None):
         levels = []
     check(levels and all(1 <= lv <= 5 for lv in levels), "levels", "a comma-separated list of 1..5")
     check(cfg.questions > 0 and cfg.samples > 0, "questions/samples", "positive integers")
+    check(cfg.temperature >= 0.01 and cfg.max_new_tokens > 0, "temperature/max_new_tokens",
+          "a sampling temperature >= 0.01 (the algorithm files' floor) and a positive token budget")
     model = Transformer.from_pretrained(cfg.model, device="cpu").to(torch.float32).eval()
     tok = Tokenizer.from_pretrained(cfg.model)
     print(f"| level | never solved | pass@1 | pass@{cfg.samples} | always solved | seconds |")

@@ -43,3 +43,19 @@ def test_sampling_calls_reports_each_call(capsys):
     assert [len(g) for g in out] == [2, 1, 0]
     line = capsys.readouterr().out
     assert "3 rows" in line and "2 prompts, longest    9, mean     7" in line and "9 generated" in line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["sampler.py", "--reps", "0"], "--reps"), (["sampler.py", "--batches", "1,0"], "batch size"),
+    (["kernels.py", "-V", "-5"], "-V"), (["decode_gemm.py", "--rows", "8,-4"], "--rows"),
+    (["default_run.py", "--run", "x", "--held-out", "-3"], "--held-out"),
+    (["task_rates.py", "--temperature", "0"], "--temperature"),
+    (["sampling_calls.py", "grpo", "--", "--steps", "0"], "--steps"),
+])
+def test_bench_tools_refuse_bad_numbers_before_any_work(argv, says):
+    """A bench tool given an impossible number stops at once with exit 2 and says which (before: a traceback from
+    min() of nothing or a negative shape, or a table of zeros)."""
+    import subprocess
+    r = subprocess.run([sys.executable, str(REPO / "bench" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
