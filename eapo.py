@@ -423,6 +423,10 @@ class PriorWeights:
         check(prior.cfg.vocab_size == model.cfg.vocab_size and prior_tok.tok.get_vocab(True) == tok.tok.get_vocab(True),
               "prior", f"a model with the policy's tokenizer and vocabulary ({cfg.prior} has others)")
         self.resident = prior if torch.device(device).type != "cpu" else None
+        # the sum and the sum of squares of every weight, in float64: a resumed run checks that its π_RL is the same
+        # (its --prior path may since hold another checkpoint)
+        self.fingerprint = [sum(float(p.double().sum()) for p in prior.parameters()),
+                            sum(float(p.double().pow(2).sum()) for p in prior.parameters())]
 
     def load(self):
         return Transformer.from_pretrained(self.path, device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -737,6 +741,9 @@ def main(argv=None):
     if cfg.kl_coef > 0:  # the reference exists only when used; fp32 under autocast, scored as the policy is
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
     priors = PriorWeights(cfg, model, tok, device, dtype)  # π_RL samples alongside the rollout copy, in its dtype
+    was = state["extra"]["eapo"].get("prior_fingerprint") if state else None  # absent in checkpoints before 2026-11-28
+    check(was is None or all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(was, priors.fingerprint)), "prior",
+          f"the π_RL of the run being resumed: {cfg.prior} now holds other weights")
     # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
     # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
     # in fp32 on one process the model samples itself.
@@ -863,7 +870,7 @@ def main(argv=None):
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=METRIC_SUMS + EAPO_SUMS,
                                           maxes=METRIC_MAXES + EAPO_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:
-            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"eapo": {"tau": tau}})
+            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"eapo": {"tau": tau, "prior_fingerprint": priors.fingerprint}})
         if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)
             optimizer.state.clear()  # need not be held through the last evaluation
         if step % cfg.eval_every == 0 or step == cfg.steps:

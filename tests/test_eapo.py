@@ -611,6 +611,13 @@ def test_resume_refuses_another_prior_or_schedule(in_tmp, models, capsys):
     eapo.main([*common[:-6], "--prior", str(models[1]) + "/", "--run-name", "r", "--tau", "0", "--steps", "2",
                "--resume"])
     assert sorted(rows_of("r")) == [1, 2]
+    # the same path holding another checkpoint: refused (the run would go on with another π_RL)
+    prior_copy = str(shutil.copytree(models[1], in_tmp / "prior_copy"))
+    moved = [*common[:-6], "--prior", prior_copy, "--run-name", "m", "--tau", "0"]
+    eapo.main([*moved, "--steps", "1"])
+    shutil.copy(Path(models[0]) / "model.safetensors", Path(prior_copy) / "model.safetensors")  # the policy's weights
+    code, err = run_cli(capsys, *moved, "--steps", "2", "--resume")
+    assert code == 2 and "--prior: expected the π_RL of the run being resumed" in err, err
 
 
 def test_metrics_omega_over_critical_tokens_and_no_ordinary_accuracy_without_ordinary_responses():
