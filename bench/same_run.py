@@ -84,22 +84,22 @@ def main():
         fail(f"{args.folder}: expected a folder of bench/default_run.py runs (bench-<algo>-s<seed>-...); none there")
     table, failed = [], False
     for algo in algos:
-        runs = sorted(args.folder.glob(f"bench-{algo}-s*"))
+        runs = sorted(r for r in args.folder.glob(f"bench-{algo}-s*") if r.is_dir())
         if not runs:
             table.append(f"| {algo} | no bench-{algo}-s* run in {args.folder} | | | |")
-            continue
-        old = rows(runs[0] / "metrics.jsonl")
-        with tempfile.TemporaryDirectory() as cwd:  # the run writes runs/<name>/ there, not into the repository
-            cmd = [sys.executable, str(REPO / f"{algo}.py"), *committed_options(runs[0]), "--run-name", "same",
-                   "--steps", str(args.steps), "--decay-steps", "0"]
-            print("running:", " ".join(cmd[1:]), flush=True)
-            if subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL).returncode != 0:
-                fail(f"{algo}.py stopped with an error (its last line above): not compared")
-            new = rows(Path(cwd) / "runs/same/metrics.jsonl")
-        same, differ, only_new = compare(new, old, args.steps)
-        failed |= bool(differ)
-        first = "" if not differ else "step {}: {} {!r} (committed {!r})".format(*differ[0])
-        table.append(f"| {algo} | {runs[0].name} | {same} | {len(differ)} {first} | {', '.join(only_new)} |")
+        for run in runs:  # every seed of the file in the folder
+            old = rows(run / "metrics.jsonl")
+            with tempfile.TemporaryDirectory() as cwd:  # the run writes runs/<name>/ there, not into the repository
+                cmd = [sys.executable, str(REPO / f"{algo}.py"), *committed_options(run), "--run-name", "same",
+                       "--steps", str(args.steps), "--decay-steps", "0"]
+                print("running:", " ".join(cmd[1:]), flush=True)
+                if subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL).returncode != 0:
+                    fail(f"{algo}.py stopped with an error (its last line above): not compared")
+                new = rows(Path(cwd) / "runs/same/metrics.jsonl")
+            same, differ, only_new = compare(new, old, args.steps)
+            failed |= bool(differ)
+            first = "" if not differ else "step {}: {} {!r} (committed {!r})".format(*differ[0])
+            table.append(f"| {algo} | {run.name} | {same} | {len(differ)} {first} | {', '.join(only_new)} |")
     print("\n| file | committed run | values equal | values differing | metrics the committed run lacks |")
     print("|---|---|---|---|---|")
     print("\n".join(table))

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 
 from common import dist
 from common.config import check
-from common.errors import ConfigError, RunError
+from common.errors import ConfigError, RunError, reason
 from common.hub import resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -45,7 +45,7 @@ def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a lost mount: say so in one line, leave no partial folder
         shutil.rmtree(tmp, ignore_errors=True)
         kept = f"the checkpoint of an earlier step in {ckpt_dir} is kept" if find(ckpt_dir) else "no checkpoint was kept"
-        raise RunError(f"writing the checkpoint of step {step} to {ckpt_dir} failed ({_reason(e)}); {kept}") from e
+        raise RunError(f"writing the checkpoint of step {step} to {ckpt_dir} failed ({reason(e)}); {kept}") from e
     except BaseException:  # Ctrl-C during the save: no half-written folder is left behind either
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -70,10 +70,6 @@ def save_run(model, optimizer, ckpt_dir, step: int, cfg, extra: dict | None = No
     dist.barrier()
 
 
-def _reason(e: Exception) -> str:
-    return e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[-1][:200]
-
-
 def find(ckpt_dir) -> Path | None:
     """The newest complete checkpoint: the folder itself, or the previous one if a save was interrupted."""
     ckpt_dir = Path(ckpt_dir)
@@ -85,14 +81,14 @@ def find(ckpt_dir) -> Path | None:
 
 def load_trainer_state(ckpt: Path) -> dict:
     """The saved step, optimizer state and extras; restores the RNG states as a side effect."""
-    try:
+    try:  # truncated, overwritten or foreign: torch.load, pickle and the lookups below raise many kinds
         state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
-        step, _ = int(state["step"]), state["optimizer"]
+        state["step"] = int(state["step"])
+        state["optimizer"], state["extra"]  # noqa: B018 (present, or a KeyError)
         set_rng_state(state["rng"])
-    except Exception as e:  # truncated, overwritten or foreign: torch.load and pickle raise many kinds
+    except Exception as e:
         raise ConfigError(f"--resume: expected a readable checkpoint; {ckpt / 'trainer.pt'} is damaged "
-                          f"({type(e).__name__}: {_reason(e)[:120]})") from None
-    state["step"] = step
+                          f"({type(e).__name__}: {reason(e)[:120]})") from None
     return state
 
 

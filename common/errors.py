@@ -19,3 +19,12 @@ class DataError(ValueError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (e.g. diverged); the message is one line and says what is kept."""
+
+
+def reason(e: BaseException) -> str:
+    """An exception from a library, as a short clause for one of our one-line messages: an OSError's cause ("No space
+    left on device"), else the last line of its message (where torch and safetensors say what went wrong)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:200]

@@ -41,6 +41,22 @@ def resolve_model_dir(path) -> Path:
     return folder
 
 
+def read_json(path: Path) -> dict:
+    """A model folder's JSON file (config.json, tokenizer_config.json, the shard index) as a dict, or a one-line
+    ModelError naming the file and what is wrong with it."""
+    if not path.is_file():
+        raise ModelError(f"{path}: not found (a model folder needs config.json and safetensors weights)")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ModelError(f"{path}: not readable as JSON ({type(e).__name__})") from None
+    if not isinstance(d, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def smollm2_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)

@@ -28,8 +28,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from common.errors import ModelError
-from common.hub import resolve_model_dir
+from common.errors import ModelError, reason
+from common.hub import read_json, resolve_model_dir
 from common.memory import release_free_memory
 from kernels import linear_logprobs_entropy, lm_head_logits
 
@@ -441,19 +441,19 @@ class Transformer(nn.Module):
         """Read a Hugging Face folder (config.json + model.safetensors or a sharded index). dtype defaults
         to float32. Weights go straight into place: the model is built on the meta device, never random-initialised."""
         folder = resolve_model_dir(path)
-        cfg = ModelConfig.from_hf(_read_json(folder / "config.json"), str(folder / "config.json"))
+        cfg = ModelConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
         dtype = dtype or torch.float32
         with torch.device("meta"):
             try:
                 model = cls(cfg)
             except (TypeError, ValueError, RuntimeError) as e:  # a field of the wrong type or sign: "30", -1, ...
-                raise ModelError(f"{folder / 'config.json'}: cannot build the model ({_reason(e)})") from None
+                raise ModelError(f"{folder / 'config.json'}: cannot build the model ({reason(e)})") from None
         state = {}
         for f in _weight_files(folder):
             try:
                 tensors = load_file(str(f), device=str(device or "cpu"))
             except (SafetensorError, OSError) as e:  # a truncated or foreign file
-                raise ModelError(f"{f}: not readable safetensors ({_reason(e)})") from None
+                raise ModelError(f"{f}: not readable safetensors ({reason(e)})") from None
             for name, t in tensors.items():
                 state[name.removeprefix("model.")] = t.to(dtype)
         if cfg.tie_word_embeddings:
@@ -508,28 +508,10 @@ def compute_dtype(device, name: str = "auto") -> torch.dtype:
     return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelError(f"{path}: not found (a model folder needs config.json and safetensors weights)")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    except (UnicodeDecodeError, RecursionError) as e:
-        raise ModelError(f"{path}: not readable as JSON ({type(e).__name__})") from None
-    if not isinstance(d, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
-
-
-def _reason(e: Exception) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
-
-
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return [folder / f for f in sorted(set(_read_json(index)["weight_map"].values()))]
+        return [folder / f for f in sorted(set(read_json(index)["weight_map"].values()))]
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]

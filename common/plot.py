@@ -47,6 +47,10 @@ def main(argv=None):
     if out.suffix.lower() != ".png" or not out.parent.is_dir():
         fail(f"--out: expected a .png file in an existing folder, got {args.out}")
     runs = {run: read_metrics(run) for run in args.runs}  # every file read (and refused) before anything is drawn
+    logged = {k for rows in runs.values() for r in rows for k in r}
+    unknown = [name for name in args.metrics if name not in logged]
+    if unknown and args.metrics != DEFAULT:  # the default panels stay empty where a run lacks one
+        fail(f"--metrics: {unknown[0]} is not logged by these runs (they log e.g. {', '.join(sorted(logged - {'step'})[:6])})")
     try:  # matplotlib is optional: only this script needs it
         import matplotlib
         matplotlib.use("Agg")
@@ -59,10 +63,6 @@ def main(argv=None):
             pts = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if name.startswith("eval/") else None, label=run.name)
-    logged = {k for rows in runs.values() for r in rows for k in r}
-    unknown = [name for name in args.metrics if name not in logged and args.metrics != DEFAULT]
-    if unknown:
-        fail(f"--metrics: {unknown[0]} is not logged by these runs (they log e.g. {', '.join(sorted(logged - {'step'})[:6])})")
     for ax, name in zip(axes[0], args.metrics):
         ax.set_title(name)
         ax.set_xlabel("step")

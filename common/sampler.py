@@ -57,9 +57,10 @@ class Companion:
     At each generated position t (0 for a completion's first token), mix(t, tokens, logits, companion_logits,
     rows) gets, for the followed rows not yet dropped (a row that emitted a stop stays until the next check_every
     boundary; its later outputs are discarded): the policy's draws [b], the policy's and the companion's raw logits
-    [b, V] fp32, and each row's sample index [b]. It returns the tokens to emit [b] (fed to both models and checked for stops; .logprobs
-    stay the policy's log-probs of them) and a dict {name: tensor [b]} of per-token values, which come back
-    as Sample.extras[name], aligned with .tokens (0 on prefix tokens and on samples the companion does not follow).
+    [b, V] fp32, and each row's sample index [b]. It returns the tokens to emit [b] (fed to both models and checked
+    for stops; .logprobs stay the policy's log-probs of them) and a dict {name: tensor [b]} of per-token values,
+    which come back as Sample.extras[name], aligned with .tokens (0 on prefix tokens and on samples the companion
+    does not follow).
     """
     model: torch.nn.Module
     mix: Callable

@@ -6,13 +6,12 @@ for base models).
     ids = tok.prompt("What is 2 + 3?")        # chat-formatted, ends with the assistant header
     text = tok.decode(completion_ids, skip_special=True)
 """
-import json
 import re
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.errors import ModelError
-from common.hub import resolve_model_dir
+from common.errors import ModelError, reason
+from common.hub import read_json, resolve_model_dir
 
 # Tokens that end a turn or a document in the model families we support.
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
@@ -38,16 +37,11 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise ModelError(f"{folder}: no tokenizer.json")
         config_file = folder / "tokenizer_config.json"
-        try:
-            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ModelError(f"{config_file}: not valid JSON ({str(e)[:200]})") from None
-        if not isinstance(config, dict):
-            raise ModelError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        config = read_json(config_file) if config_file.is_file() else {}
         try:
             tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # the tokenizers library raises its own plain Exception for a malformed file
-            raise ModelError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({str(e)[:200]})") from None
+            raise ModelError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({reason(e)})") from None
         return cls(tok, config)
 
     def encode(self, text: str) -> list[int]:

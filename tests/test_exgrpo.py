@@ -716,6 +716,13 @@ def test_fewer_questions_than_processes_is_a_one_line_error(in_tmp, soft_model_d
     processes a rank would own none, and its question stream would look for one forever."""
     from common.config import main_guard
     monkeypatch.setattr(exgrpo.dist, "world", lambda: 2)  # as under torchrun --nproc_per_node=2, rank 0
+    real_stream = exgrpo.QuestionStream
+
+    def stream(ids, *args):  # without the check: fail here, instead of the stream's endless search for a question
+        assert len(ids), "a rank was given no question"
+        return real_stream(ids, *args)
+
+    monkeypatch.setattr(exgrpo, "QuestionStream", stream)
     with pytest.raises(SystemExit) as e:
         main_guard(lambda: exgrpo.main(["--model", str(soft_model_dir), "--steps", "1", *RUN, "--train-size", "1"]))
     err = capsys.readouterr().err.strip()
