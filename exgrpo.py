@@ -45,7 +45,7 @@ from common import checkpoint, dist
 from common.batch import Batch, completion_logprobs, micro_batches, to_batch, token_index, trainer_logprobs, varied_share
 from common.config import RunError, check, main_guard, parse
 from common.evaluate import evaluate, evaluation_lost
-from common.logger import MetricsLog
+from common.logger import MetricsLog, check_tracker
 from common.memory import peak_rss_gb
 from common.model import Transformer, compute_dtype
 from common.optim import adamw
@@ -159,6 +159,7 @@ RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model", "grou
 
 def validate(cfg: Config):
     """Refuse impossible options before anything is loaded or written."""
+    check_tracker(cfg.tracker)  # its package is installed (imported only once the run starts)
     for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "mini_batches", "micro_batch", "eval_size",
                  "eval_every", "save_every", "max_skipped"):
         check(getattr(cfg, name) > 0, name, "a positive integer")

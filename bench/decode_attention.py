@@ -9,7 +9,6 @@ the first call's set-up drop out; "same tokens" counts the samples whose tokens 
 attention kernels round differently, so a sample may part ways). Results of 2026-11-27 on an H100:
 bench/results/h100-2026-11-27-decode.
 """
-import argparse
 import importlib.util
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 import common.sampler as sampler  # noqa: E402
 from common.model import ModelConfig  # noqa: E402
 
@@ -52,11 +52,11 @@ def ms_per_step(model, prompts, n, dev, short=8, long=40):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-tiny", action="store_true", help="tiny shapes on the CPU")
     args = ap.parse_args(argv)
     if not args.cpu_tiny and not torch.cuda.is_available():
-        sys.exit("bench/decode_attention.py: needs a CUDA GPU (or --cpu-tiny to check the script on a CPU)")
+        ap.error("needs a CUDA GPU (or --cpu-tiny to check the script on a CPU)")
     dev = torch.device("cpu" if args.cpu_tiny else "cuda")
     smol = dict(SMOLLM2, **(TINY if args.cpu_tiny else {}))
     models = {"qwen2.5-0.5b": gpu.random_model(gpu.model_config("0.5b", args.cpu_tiny), dev, torch.bfloat16),

@@ -7,10 +7,14 @@ A decode step multiplies each row's hidden state by every weight matrix: 30 bloc
 memory; the table gives the time of one pass (best of --reps), the weight bytes read per second, the GFLOP/s, and the
 machine's memory read rate (a sum over 512 MB) to hold them against. Random weights of the real shapes.
 """
-import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 
 D, F, KV, V, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M: hidden, MLP, k/v width (3 heads x 64), vocabulary
 
@@ -35,7 +39,7 @@ def best_of(fn, reps: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="8,32,64,128")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()

@@ -25,7 +25,6 @@ checkpointing, on by default, runs the forward twice, 8 x in fact, so the predic
 sampling as 2 x parameters per generated token, so the time on another machine can be predicted from its
 matmul rate (--predict-gflops).
 """
-import argparse
 import json
 import re
 import statistics
@@ -37,7 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from common.plot import fail, read_metrics  # noqa: E402  (one line and exit 2 for an unreadable metrics.jsonl)
+from common.config import OneLineParser, fail  # noqa: E402  (a user mistake: one line, exit 2)
+from common.plot import read_metrics  # noqa: E402  (one line and exit 2 for an unreadable metrics.jsonl)
 
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 
@@ -164,7 +164,7 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
 
     ckpt = checkpoint.find(run / "checkpoint")
     if ckpt is None:
-        sys.exit(f"bench/default_run.py: --held-out: {run / 'checkpoint'} holds no checkpoint to evaluate")
+        fail(f"--held-out: {run / 'checkpoint'} holds no checkpoint to evaluate")
     cfg = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)["extra"]["config"]
     device = torch.device(dist.resolve_device(cfg["device"]))
     dtype = compute_dtype(device, cfg["dtype"])
@@ -329,7 +329,7 @@ def measured(run: Path) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, nargs="+", help="summarise these run folders instead of starting runs")
     p.add_argument("--algo", default="grpo",
                    help="the algorithm file(s), comma-separated: grpo, exgrpo, xrpo, extra, eapo; or all")
@@ -349,7 +349,7 @@ def main():
             if run.suffix == ".log" and run.is_file():  # a shell glob also matches the runs' logs beside them
                 continue
             if not (run / "metrics.jsonl").is_file():
-                sys.exit(f"bench/default_run.py: --run: {run / 'metrics.jsonl'} not found (expected a run folder)")
+                p.error(f"--run: {run / 'metrics.jsonl'} not found (expected a run folder)")
             name = re.fullmatch(r"bench-(\w+)-s(\d+)-.*", run.name)
             m = measured(run)
             flags.append(m.get("cpu_flags"))
@@ -371,9 +371,7 @@ def main():
     algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:
-            sys.exit(f"bench/default_run.py: --algo: expected names among {','.join(ALGOS)}, got {a!r}")
-    if args.jobs < 1:
-        sys.exit("bench/default_run.py: --jobs: expected a positive integer")
+            p.error(f"--algo: expected names among {','.join(ALGOS)}, got {a!r}")
     # One at a time: seed by seed, each algorithm right after grpo.py's run of the same seed (the machine's speed
     # drifts over hours, so a ratio of neighbouring runs is what compares); EAPO's prior is that grpo.py run.
     # At once (a GPU): EAPO in a second wave, so that its prior is made by the first when grpo is asked for too.

@@ -56,6 +56,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 import kernels  # noqa: E402
 from common.batch import Batch, completion_logprobs, pack_inputs  # noqa: E402
 from common.model import ModelConfig, Transformer  # noqa: E402
@@ -784,7 +785,7 @@ def run_part(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for results.json, results.md and log.txt")
     ap.add_argument("--cpu-tiny", action="store_true", help="every part at tiny shapes on the CPU")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the parts together")
@@ -795,7 +796,7 @@ def main():
     if args.part:
         return run_part(args)
     if not args.cpu_tiny and not torch.cuda.is_available():
-        sys.exit("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); --cpu-tiny runs it on a CPU")
+        ap.error("no CUDA device here (torch.cuda.is_available() is False); --cpu-tiny runs it on a CPU")
     run_parts(args)
 
 

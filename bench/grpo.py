@@ -13,7 +13,8 @@ from pathlib import Path
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--algo" in args:
-        sys.exit("bench/grpo.py: --algo: this script runs grpo.py only; use bench/default_run.py --algo NAME")
+        sys.stderr.write("bench/grpo.py: --algo: this script runs grpo.py only; use bench/default_run.py --algo NAME\n")
+        sys.exit(2)
     ours = args[:args.index("--")] if "--" in args else args
     seeds = [] if "--seeds" in ours or "--run" in ours else ["--seeds", "0", "1", "2"]
     script = Path(__file__).resolve().parent / "default_run.py"

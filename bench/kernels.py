@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
 
@@ -173,7 +174,7 @@ def lm_head_blocks_table(d, vocab, repeat=5):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=["baseline", "naive", "ours"], help="run one CPU variant and exit")
     parser.add_argument("--gpu", action="store_true", help="the GPU tables instead of the CPU one")
     parser.add_argument("--lm-head-blocks", action="store_true", help="only the CPU table of kernels.lm_head_logits")
@@ -191,7 +192,7 @@ def main():
         run_variant(args.variant, args.n, args.d, args.V, args.repeat, args.chunk_size)
     elif args.gpu:
         if not torch.cuda.is_available():
-            sys.exit("bench/kernels.py: --gpu needs CUDA, and torch.cuda.is_available() is False")
+            parser.error("--gpu needs CUDA, and torch.cuda.is_available() is False")
         gpu_tables()
     else:
         cpu_table(args.n, args.d, args.V, args.repeat)

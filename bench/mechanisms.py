@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.config import fail  # noqa: E402  (a user mistake: one line, exit 2)
 from common.plot import read_metrics  # noqa: E402  (one line and exit 2 for an unreadable metrics.jsonl)
 
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
@@ -42,7 +43,7 @@ def mechanism(algo: str, steps: list) -> str | None:
 def main():
     runs = [Path(a) for a in sys.argv[1:] if (Path(a) / "metrics.jsonl").is_file()]
     if not runs:
-        sys.exit("bench/mechanisms.py: expected run folders holding metrics.jsonl (e.g. runs/bench-*)")
+        fail("bench/mechanisms.py: expected run folders holding metrics.jsonl (e.g. runs/bench-*)")
     for run in runs:
         rows = read_metrics(run)
         steps = [r for r in rows if "perf/step_s" in r]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 from bench.default_run import cpu_flags  # noqa: E402
 
 # name -> (flags, the metric that shows the option acting, what the metric counts)
@@ -57,7 +58,7 @@ def run(name: str, flags: list, steps: int, eval_size: int, rest: list) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=list(OPTIONS), help="these options only")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--eval-size", type=int, default=20)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from common.config import main_guard  # noqa: E402
+from common.config import fail, main_guard  # noqa: E402
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
@@ -39,8 +39,8 @@ def wrapped(name, fn):
 
 def main():
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS or not Path("/proc/self/status").is_file():
-        sys.exit(f"bench/phase_memory.py: expected an algorithm among {', '.join(ALGOS)} (and Linux's /proc), "
-                 f"then -- and its options")
+        fail(f"bench/phase_memory.py: expected an algorithm among {', '.join(ALGOS)} (and Linux's /proc), "
+             f"then -- and its options")
     module = importlib.import_module(sys.argv[1])
     for name in ("generate", "update", "evaluate"):
         if hasattr(module, name):

@@ -11,7 +11,6 @@ on the same processor gives the same numbers bit for bit; on another processor t
 since) is listed, not counted as a difference. eapo.py is left out: its π_RL is the seed's whole grpo.py run, whose
 checkpoint the folders do not keep. Prints a table; exits 1 if a value differs.
 """
-import argparse
 import json
 import math
 import subprocess
@@ -20,12 +19,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from common.config import OneLineParser, fail  # noqa: E402  (a user mistake: one line, exit 2)
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra")
-
-
-def fail(message: str):
-    sys.stderr.write(f"error: {message}\n")
-    sys.exit(2)
 
 
 def rows(path: Path) -> dict:
@@ -72,7 +68,7 @@ def committed_options(run: Path) -> list:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("folder", type=Path, help="a benchmark folder of bench-<algo>-s<seed>-* runs")
     p.add_argument("--algo", default=",".join(ALGOS), help="comma-separated, of " + ", ".join(ALGOS))
     p.add_argument("--steps", type=int, default=3, help="steps to run and compare (at most 12 of a 15-step run)")

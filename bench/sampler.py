@@ -13,7 +13,6 @@ Sections
            transformers; plus the fraction of the memory-bandwidth floor reached by our compiled decode.
 The machine may be shared: each measurement alternates ours and theirs and keeps the best of --reps.
 """
-import argparse
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 from common.hub import resolve_model_dir  # noqa: E402
 from common.model import ModelConfig, Transformer  # noqa: E402
 from common.sampler import generate  # noqa: E402
@@ -166,7 +166,7 @@ def print_row(r):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["decode", "rollout", "gpu"], default=None, help="run one section")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads, for both")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])

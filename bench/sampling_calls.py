@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from common.config import main_guard  # noqa: E402
+from common.config import OneLineParser, main_guard  # noqa: E402
 
 
 def wrap(module):
@@ -38,7 +38,7 @@ def wrap(module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("algo", choices=["grpo", "exgrpo", "xrpo", "extra", "eapo"])
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="after --: the file's options")
     args = parser.parse_args()

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 from common.verifier import score  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
@@ -131,7 +132,8 @@ def thread_check(verifiers: dict) -> None:
         print(f"- {name}: " + (f"reward {out['reward']}" if "reward" in out else out["error"]))
 
 
-def main():
+def main(argv=None):
+    OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # no options: --help, or one line for any
     verifiers = {"ours": score}
     mv = math_verify_score()
     if mv is not None:

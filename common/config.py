@@ -40,8 +40,15 @@ def _description(module) -> str:
     return " ".join(paragraphs[0].split())
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, exit 2 (argparse's own also prints the usage)."""
+def fail(message: str):
+    """A user mistake outside an algorithm file's main (a bench/ tool, common.plot): one line, exit 2."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, exit 2 (argparse's own also prints the usage). The bench/ tools
+    use it too."""
 
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -63,7 +70,7 @@ def parse(cls, argv=None):
     """Build a command line from the dataclass `cls` and return an instance filled from `argv`."""
     helps = _field_comments(cls)
     choices = getattr(cls, "choices", {})
-    p = _OneLineParser(description=_description(sys.modules[cls.__module__]),
+    p = OneLineParser(description=_description(sys.modules[cls.__module__]),
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # every option shows its default
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")

@@ -12,6 +12,7 @@ last evaluation's seconds, since a final evaluation follows the last step. Rows 
 """
 import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import time
@@ -100,12 +101,25 @@ class MetricsLog:
             tracker[1]()
 
 
+def check_tracker(name: str):
+    """Refuse a --tracker whose package is not installed, without importing it (the algorithm files call this before
+    they load the model or create the run's folder; MetricsLog imports it when the run starts)."""
+    if name not in TRACKERS:
+        raise ConfigError(f"--tracker: expected one of {', '.join(TRACKERS)}, got {name!r}")
+    if name != "none" and importlib.util.find_spec(name) is None:  # the tensorboard package, not torch's wrapper
+        raise _missing(name)
+
+
+def _missing(name: str) -> ConfigError:
+    return ConfigError(f"--tracker {name} needs the {name} package (pip install {name})")
+
+
 def _open_tracker(name: str, run_dir: Path, config: dict, run_name: str):
     """(log(values, step), close()) for TensorBoard, W&B or Trackio; a missing package is a user error."""
     try:
         module = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
     except ImportError:  # torch.utils.tensorboard raises it too when the tensorboard package is absent
-        raise ConfigError(f"--tracker {name} needs the {name} package (pip install {name})") from None
+        raise _missing(name) from None
     if name == "tensorboard":
         writer = module.SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")

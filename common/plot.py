@@ -3,10 +3,10 @@
     python -m common.plot runs/grpo-a runs/grpo-b --out curves.png
     python -m common.plot runs/* --metrics eval/greedy_acc reward/mean response/len_mean
 """
-import argparse
 import json
-import sys
 from pathlib import Path
+
+from common.config import OneLineParser, fail
 
 DEFAULT = ["eval/greedy_acc", "reward/mean", "response/len_mean", "policy/entropy"]
 
@@ -31,14 +31,8 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
-def fail(message: str):
-    """A user mistake: one line, exit 2 (as the algorithm files' main_guard)."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.exit(2)
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Plot learning curves of runs to a PNG")
+    p = OneLineParser(description="Plot learning curves of runs to a PNG")
     p.add_argument("runs", nargs="+", type=Path, help="run folders (runs/<name>) or metrics.jsonl files")
     p.add_argument("--metrics", nargs="+", default=DEFAULT, help="metric names, one panel each")
     p.add_argument("--out", default="curves.png", help="the PNG to write")

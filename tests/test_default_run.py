@@ -44,14 +44,14 @@ def test_bench_grpo_is_default_run_for_grpo(tmp_path, tiny_model_dir):
     assert "| greedy accuracy, step 0 -> step 1 |" in r.stdout
     r = subprocess.run([sys.executable, str(REPO / "bench" / "grpo.py"), "--algo", "xrpo"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--algo" in r.stderr, r.stderr
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--algo" in r.stderr, r.stderr
 
 
 def test_bad_algo_and_missing_run_are_one_line_errors(tmp_path):
     for args, field in ((["--algo", "ppo"], "--algo"), (["--run", str(tmp_path / "nope")], "--run")):
         r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
-        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
 
 
 def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
@@ -114,7 +114,7 @@ def test_phase_memory_reports_each_phase(tmp_path, tiny_model_dir):
         assert 0 < values["VmRSS"] <= values["VmHWM"] and values["RssAnon"] > 0, line
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "ppo"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "algorithm" in bad.stderr
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "algorithm" in bad.stderr
 
 
 def test_mechanisms_sums_each_files_own_metrics(tmp_path):
@@ -155,7 +155,7 @@ def test_mechanisms_sums_each_files_own_metrics(tmp_path):
         k.replace("bench-", "cmp-").replace("-s0-1", "-s3"): v for k, v in out.items()}, r.stdout
     r = subprocess.run([sys.executable, str(REPO / "bench" / "mechanisms.py"), str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr
 
 
 def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):

@@ -1,5 +1,7 @@
 """common.logger.MetricsLog: the progress line and its time left (with a fake clock), the optional trackers (with fake
 modules in sys.modules), and the resume trimming of metrics.jsonl."""
+import importlib
+import importlib.util
 import json
 import sys
 import types
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.logger import MetricsLog, _duration
+from common.logger import MetricsLog, _duration, check_tracker
 
 TRAIN = {"reward/mean": 0.41, "reward/acc": 0.39, "response/len_mean": 22.1, "perf/step_s": 10.0}
 EVAL = {"eval/greedy_acc": 0.3, "perf/eval_s": 30.0}
@@ -215,3 +217,28 @@ def test_console_shows_a_missing_value_as_a_dash(tmp_path, capsys):
     MetricsLog(tmp_path).log(1, {"reward/mean": 0.25, "policy/entropy": float("nan")})
     line = capsys.readouterr().out
     assert "reward 0.25" in line and "ent -" in line and "None" not in line, line
+
+
+@pytest.mark.parametrize("algo", ["grpo", "exgrpo", "xrpo", "extra", "eapo"])
+def test_a_missing_tracker_package_stops_the_file_before_it_loads_or_writes(algo, tmp_path, monkeypatch):
+    """Each algorithm file refuses --tracker wandb without wandb in its option checks: before, the refusal came after
+    the data and the model had loaded, and left an empty runs/<name>/ behind."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(algo)
+    loaded = []
+    monkeypatch.setattr(module.Transformer, "from_pretrained", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ConfigError, match=r"--tracker wandb needs the wandb package \(pip install wandb\)"):
+        module.main(["--tracker", "wandb", "--run-name", "t"])
+    assert not loaded and not (tmp_path / "runs").exists()
+
+
+def test_check_tracker_passes_an_installed_package_and_none(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    check_tracker("none")
+    with pytest.raises(ConfigError, match="--tracker: expected one of"):
+        check_tracker("mlflow")
+    with pytest.raises(ConfigError, match="--tracker wandb needs"):
+        check_tracker("wandb")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "wandb" else None)
+    check_tracker("wandb")
