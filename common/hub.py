@@ -11,6 +11,7 @@ $RLVR_CACHE (default ~/.cache/rlvr), which `transformers` loads as well as we do
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,7 +38,10 @@ def resolve_model_dir(path) -> Path:
         return folder
     folder = Path(path)
     if not folder.is_dir():
-        raise ModelError(f"{folder}: model folder not found (expected a Hugging Face folder, or '{DEFAULT_MODEL}')")
+        hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not folder.parent.is_dir()
+        hint = (f"; a Hub model is read from a local copy: huggingface-cli download {path} --local-dir DIR, then "
+                f"--model DIR" if hub_id else "")
+        raise ModelError(f"{folder}: model folder not found (expected a Hugging Face folder, or '{DEFAULT_MODEL}'){hint}")
     return folder
 
 

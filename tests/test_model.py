@@ -153,8 +153,16 @@ def one_line_error(fn, *words):
     return msg
 
 
-def test_missing_folder(tmp_path):
+def test_missing_folder(tmp_path, monkeypatch):
     one_line_error(lambda: Transformer.from_pretrained(tmp_path / "nope"), "nope", "not found")
+    # a Hub id (org/name, where no folder org/ exists) is answered with how to get a local copy; a local path is not
+    monkeypatch.chdir(tmp_path)
+    one_line_error(lambda: Transformer.from_pretrained("Qwen/Qwen3-0.6B"), "not found",
+                   "huggingface-cli download Qwen/Qwen3-0.6B --local-dir DIR")
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ModelError) as e:
+        Transformer.from_pretrained("runs/nope")
+    assert "huggingface-cli" not in str(e.value)
 
 
 def test_missing_config_field(hf_tiny):
