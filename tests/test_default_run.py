@@ -64,7 +64,8 @@ def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
     rows = [line for line in out.splitlines() if line.startswith("| grpo | ") or line.startswith("| eapo | ")]
     grpo_rows = [r for r in rows if r.startswith("| grpo | 1 |") or r.startswith("| grpo | 0 |")]
     assert len(grpo_rows) == 2 and all(" | 1.00 | " in r for r in grpo_rows), rows
-    assert "CPU flags:" in out and "| wall / grpo, mean |" in out
+    assert "CPU flags:" in out and "| gain, lowest | wall / grpo, mean (highest) |" in out
+    # the summary over seeds: eapo's lowest gain is the lower of its two runs' gains, its highest peak the higher
     for seed in ("1", "0"):  # the trained- and sampled-tokens columns: the run's sums, their ratios to grpo.py's
         row = next(r for r in rows if r.startswith(f"| eapo | {seed} |"))
         cells = []
@@ -181,6 +182,24 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
     assert "seed 0: 2 grpo.py runs; the ratios below are to the last one given" in out
     assert [line.split(" | ")[5] for line in out.splitlines() if line.startswith("| xrpo | 0 |")] == ["1.20"]
 
+
+
+def test_summary_gives_each_files_mean_and_worst_run(capsys):
+    """The table over seeds: the mean gain and the lowest, the mean wall ratio and the highest, the highest peak RSS
+    (a goal holds for every run, so the worst one is shown beside the mean)."""
+    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
+    default_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default_run)
+
+    def run(after, wall, rss):
+        return {"wall_s": wall, "gflops": None, "acc_before": 0.25, "acc_after": after, "peak_rss_gb": rss,
+                "step_split": {"sample": 1.0, "score": 0.0, "train": 1.0}, "train_tokens": 10, "sampled_tokens": 20}
+    default_run.overview([("grpo", 0, run(0.40, 400.0, 2.5)), ("xrpo", 0, run(0.45, 600.0, 2.6)),
+                          ("grpo", 1, run(0.35, 500.0, 2.5)), ("xrpo", 1, run(0.30, 550.0, 2.8))], "CPU flags: test")
+    out = capsys.readouterr().out
+    summary = next(line for line in out.splitlines() if line.startswith("| xrpo | 2 | "))
+    # gains +20 and +5: mean +12.5, std 10.6, lowest +5; wall ratios 1.50 and 1.10: mean 1.30, highest 1.50
+    assert summary == f"| xrpo | 2 | +12.5 ± 10.6 | +5.0 | 1.30 (1.50) | - | {2.8 * 2 ** 30 / 1e9:.2f} x 10^9 B |", summary
 
 def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
     """Time per unit of work: a file that samples at 2x grpo.py's cost per token and trains at 1.1x, with 10 s of
