@@ -11,6 +11,14 @@ TINY = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-n
         "--train-size", "8", "--micro-batch", "4", "--dtype", "float32", "--device", "cpu"]
 
 
+
+def load_default_run():
+    """bench/default_run.py as a module (bench/ is not a package), for its table functions."""
+    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
+    default_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default_run)
+    return default_run
+
 def bench(tmp_path, *args):
     r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -162,9 +170,7 @@ def test_mechanisms_sums_each_files_own_metrics(tmp_path):
 def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
     """The ratio at grpo.py's matmul rate: a run on a machine that became 1.5x slower, and took 1.5x as long,
     did grpo.py's work; a run without its probes gets no adjusted ratio."""
-    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
-    default_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(default_run)
+    default_run = load_default_run()
 
     def run(wall, gflops):
         return {"wall_s": wall, "gflops": gflops, "acc_before": 0.25, "acc_after": 0.4, "peak_rss_gb": 2.5,
@@ -187,9 +193,7 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
 def test_summary_gives_each_files_mean_and_worst_run(capsys):
     """The table over seeds: the mean gain and the lowest, the mean wall ratio and the highest, the highest peak RSS
     (a goal holds for every run, so the worst one is shown beside the mean)."""
-    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
-    default_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(default_run)
+    default_run = load_default_run()
 
     def run(after, wall, rss):
         return {"wall_s": wall, "gflops": None, "acc_before": 0.25, "acc_after": after, "peak_rss_gb": rss,
@@ -205,9 +209,7 @@ def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
     """Time per unit of work: a file that samples at 2x grpo.py's cost per token and trains at 1.1x, with 10 s of
     scoring, would take (0.2 x 1000 + 10 + 0.11 x 2000) / 300 = 1.43x grpo.py's steps at grpo.py's token counts,
     however many tokens it sampled and trained itself. A run that logged no phase times gets no row."""
-    spec = importlib.util.spec_from_file_location("default_run", REPO / "bench" / "default_run.py")
-    default_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(default_run)
+    default_run = load_default_run()
 
     def run(sample, score, train, sampled, trained, phases=True):
         r = {"wall_s": 500.0, "gflops": None, "acc_before": 0.25, "acc_after": 0.4, "peak_rss_gb": 2.5, "steps": 15,
