@@ -27,7 +27,8 @@ def bench(tmp_path, *args):
 
 
 def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
-    out = bench(tmp_path, "--algo", "eapo", "--seeds", "0", "--jobs", "2", "--", "--model", str(tiny_model_dir), *TINY)
+    out = bench(tmp_path, "--algo", "eapo", "--seeds", "0", "--jobs", "2", "--", "--model", str(tiny_model_dir), *TINY,
+                "--decay-steps", "0")  # so that bench/same_run.py's --decay-steps 0 repeats the step below
     runs = sorted((tmp_path / "runs").glob("bench-*-s0-*[0-9]"))
     assert [r.name.split("-")[1] for r in runs] == ["eapo", "grpo"]  # the prior was made first, by grpo.py
     assert f"--prior {Path('runs') / runs[1].name / 'checkpoint'}" in out  # ... and eapo.py was given it
@@ -40,6 +41,14 @@ def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
     accs = [r["eval/greedy_acc"] for r in rows if "eval/greedy_acc" in r]
     held = bench(tmp_path, "--run", str(runs[1]), "--held-out", "3")
     assert f"| greedy accuracy on 3 held-out problems, start -> checkpoint | {accs[0]:.3f} -> {accs[-1]:.3f}" in held
+    # bench/same_run.py --algo eapo: π_RL's grpo.py run again in full, then eapo.py's step on its checkpoint, both equal
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "same_run.py"), str(tmp_path / "runs"), "--algo", "eapo",
+                        "--steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    table = {line.split(" | ")[0]: line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert set(table) >= {"| grpo (π_RL)", "| eapo"}, r.stdout
+    assert all(table[k][3].strip() == "0" and int(table[k][2]) > 10 for k in ("| grpo (π_RL)", "| eapo")), r.stdout
 
 
 def test_bench_grpo_is_default_run_for_grpo(tmp_path, tiny_model_dir):
