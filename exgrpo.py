@@ -287,14 +287,16 @@ class Experience:
         self.bucket: dict[int, int] = {}  # question id -> k of its latest collected group
         self.retired: set[int] = set()  # S
 
-    def to_store(self, qid: int, correct: list, completions: list, collect: bool) -> list[bool]:
+    def to_store(self, qid: int, correct: list, completions: list, collect: bool, replayed: bool = False) -> list[bool]:
         """Which of a group's completions record() stores: correct, not stored yet (nor earlier in the group), the
         question partly solved (0 < k < K), collecting; with max_stored, only the last max_stored of them. These are
-        the rows whose collection-time log-probs the step must score."""
+        the rows whose collection-time log-probs the step must score. replayed: the group's first row came from the
+        buffer; it is never stored again (also when the question's fresh group earlier in the step pushed it out under
+        max_stored: stored anew, it would carry this step's log-probs as π_past)."""
         k = sum(bool(c) for c in correct)
         seen, new = {t.tokens for t in self.pool.get(qid, [])}, []
-        for ok, t in zip(correct, completions):
-            new.append(collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen)
+        for i, (ok, t) in enumerate(zip(correct, completions)):
+            new.append(collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen and not (replayed and i == 0))
             seen.add(tuple(t))
         if self.max_stored and sum(new) > self.max_stored:  # the older ones would be dropped at once
             last = [i for i, s in enumerate(new) if s][-self.max_stored:]
@@ -302,18 +304,19 @@ class Experience:
         return new
 
     def to_store_step(self, groups: list, collect: bool) -> list[list[bool]]:
-        """to_store of each of a step's groups [(qid, correct, completions)] as record() will meet them, in order. A
-        question can come twice in one step (replayed, and drawn fresh): its second group is compared with a buffer
-        that already holds what its first group stored, so the marks come from record() on a copy of the buffer."""
+        """to_store of each of a step's groups [(qid, correct, completions, replayed)] as record() will meet them, in
+        order. A question can come twice in one step (replayed, and drawn fresh): its second group is compared with a
+        buffer that already holds what its first group stored, so the marks come from record() on a copy of the
+        buffer."""
         shadow = Experience(self.K, self.max_stored)
-        shadow.pool = {q: list(self.pool.get(q, [])) for q, _, _ in groups}
+        shadow.pool = {q: list(self.pool.get(q, [])) for q, *_ in groups}
         marks = []
-        for q, correct, completions in groups:
-            marks.append(shadow.to_store(q, correct, completions, collect))
-            shadow.record(q, correct, completions, [torch.zeros(len(t)) for t in completions], collect)
+        for q, correct, completions, replayed in groups:
+            marks.append(shadow.to_store(q, correct, completions, collect, replayed))
+            shadow.record(q, correct, completions, [torch.zeros(len(t)) for t in completions], collect, replayed)
         return marks
 
-    def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool):
+    def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool, replayed: bool = False):
         """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
         (once the delayed start has fired), 0 < k < K stores each correct completion not stored yet (to_store) and
         labels the question k; with max_stored, the question keeps its most recent ones. All-wrong groups store
@@ -326,7 +329,7 @@ class Experience:
             return
         self.bucket[qid] = k
         stored = self.pool.setdefault(qid, [])
-        for new, tokens, logp in zip(self.to_store(qid, correct, completions, collect), completions, logps):
+        for new, tokens, logp in zip(self.to_store(qid, correct, completions, collect, replayed), completions, logps):
             if new:  # de-duplicated by exact content
                 assert len(logp) == len(tokens) and torch.isfinite(logp).all(), "a scored log-prob for every token"
                 # our choice: token ids, not decoded text as the authors' code keeps (re-tokenising text need not
@@ -880,14 +883,15 @@ def main(argv=None):
         # ExGRPO: the buffer keeps the trainer's log-probs of the correct rollouts it collects (§4.1): those rows are
         # scored (and the replayed ones, for w*) unless the pass above scored all. our choice: at the sampling
         # temperature, the one every ratio here uses (the paper samples at T = 1)
-        groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G]) for j, q in enumerate(qids)]
+        groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], replay[j])
+                  for j, q in enumerate(qids)]
         store = torch.tensor([s for marks in exp.to_store_step(groups, mixed) for s in marks])  # [N]
         scored_logp = old_logp if old_logp is not None else scored_rows(
             model, b, store | is_replay, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         tok_logps = scored_logp.split(b.lengths.tolist())
         # retire all-correct questions; collect once the delayed start has fired
-        for j, (q, group_correct, completions) in enumerate(groups if replaying else []):
-            exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed)
+        for j, (q, group_correct, completions, from_buffer) in enumerate(groups if replaying else []):
+            exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed, replayed=from_buffer)
         # replayed rows carry their stored log-probs π_past as 'sampler' log-probs; they were not sampled now, so the
         # sampler-trainer mismatch (and TIS) sees the trainer's own there
         replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]

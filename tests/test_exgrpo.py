@@ -124,6 +124,18 @@ def test_question_choice_is_uniform_over_questions():
     assert sorted(exgrpo.bucket_sample(exp.buckets(), 20, None, g)) == list(range(11))  # n distinct, capped
 
 
+def test_bucket_sample_is_uniform_within_a_bucket():
+    """Once a bucket is drawn, its questions are equally likely (ExGRPO §4.1: buckets by p_k, questions at random
+    within one). Catches a sampler that always takes a bucket's first (oldest, lowest-id) questions."""
+    exp = filled({q: 3 for q in range(10)})  # one bucket, k = 3, of ten questions
+    g = torch.Generator().manual_seed(0)
+    hits = torch.zeros(10)
+    for _ in range(500):
+        for q in exgrpo.bucket_sample(exp.buckets(), 2, exgrpo.bucket_weights(K), g):
+            hits[q] += 1
+    torch.testing.assert_close(hits / hits.sum(), torch.full((10,), 0.1), atol=0.04, rtol=0)
+
+
 # ----------------------------------------------------------------------------- 3. n and the batch size
 
 @pytest.mark.parametrize("rho,B,valid,n", [(0.5, 128, 1000, 64), (0.5, 128, 10, 10), (0.5, 8, 0, 0), (0.0, 8, 50, 0),
@@ -282,6 +294,23 @@ def test_trajectory_choice_highest_entropy_and_random():
     picks = [select(None, exp, [7, 7], [[1], [1]], choice="random", gen=g) for _ in range(300)]
     share = {t: sum(p[0].tokens == t for p in picks) / 300 for t in (low, high, mid)}
     assert all(s == pytest.approx(1 / 3, abs=0.1) for s in share.values())
+
+
+def test_selection_scores_the_policy_entropy_at_temperature_one():
+    """H̄(o) is the entropy of π_θ itself, at T = 1 (ExGRPO §3.2, §4.1), whatever the sampling temperature: a step
+    with two likely next tokens (H = 0.77) is lower than one with a favourite and a spread tail (H = 1.32) at T = 1,
+    while at T = 0.5 the order flips. Catches the selection's forward scoring entropies at another temperature."""
+    def entropy(row, T):
+        return -(torch.softmax(row / T, -1) * torch.log_softmax(row / T, -1)).sum().item()
+
+    table = torch.zeros(6, 6)  # after token 5 (the prompt's last): uniform, the same first step for both
+    table[0, :2] = 5.0  # after token 0: two likely tokens
+    table[2, 0] = 2.0  # after token 2: one favourite, the other five spread
+    assert entropy(table[0], 1.0) < entropy(table[2], 1.0) and entropy(table[0], 0.5) > entropy(table[2], 0.5)
+    tie, spread = (0, 0, 0, 0), (2, 2, 2, 2)
+    exp = Experience(K)
+    exp.pool, exp.bucket = {7: [Trajectory(spread, torch.zeros(4)), Trajectory(tie, torch.zeros(4))]}, {7: 3}
+    assert select(ToyLM(table), exp, [7], [[1, 5]])[0].tokens == tie
 
 
 # ----------------------------------------------------------------------------- 12. delayed start
@@ -582,6 +611,16 @@ def test_retirement_in_the_loop(in_tmp, soft_model_dir, monkeypatch):
     assert steps[2]["exgrpo/buffer_questions"] < steps[1]["exgrpo/buffer_questions"]
 
 
+def test_nothing_is_collected_before_the_delayed_start(in_tmp, soft_model_dir):
+    """Before the delayed start fires (ExGRPO §4.2, Alg. 1: collection belongs to the mixed phase) partly solved
+    questions store nothing, so replay, once it begins, never draws trajectories of the pre-threshold policy. Catches
+    collection from step 1 (record and the scoring marks both called with collect=True)."""
+    exgrpo.main(["--model", str(soft_model_dir), "--run-name", "early", "--steps", "2", "--start-acc", "2", *RUN])
+    steps = [r for r in rows(in_tmp / "runs/early/metrics.jsonl") if "exgrpo/mixed" in r]
+    assert len(steps) == 2 and any(r["reward/zero_var_groups"] < 1 for r in steps)  # some groups were partly solved
+    assert all(r["exgrpo/mixed"] == 0 and r["exgrpo/buffer_trajectories"] == 0 for r in steps)
+
+
 def test_ablations_no_shaping_no_is_correction(in_tmp, soft_model_dir, monkeypatch):
     """ExGRPO Table 6 end to end: the switches reach token_loss at replay steps, and with --no-is-correction the
     replayed tokens' logged ratio w* is 1 (against π_θold, not the stored π_past). Catches the loop ignoring
@@ -781,7 +820,7 @@ def test_a_question_twice_in_a_step_scores_what_its_second_group_stores():
     exp = Experience(K, max_stored=2)
     first = ([True, True] + [False] * (K - 2), [[5], [6]] + [[9]] * (K - 2))
     second = ([True, True, True] + [False] * (K - 3), [[4], [5], [6]] + [[9]] * (K - 3))
-    marks = exp.to_store_step([(0, *first), (0, *second)], collect=True)
+    marks = exp.to_store_step([(0, *first, False), (0, *second, False)], collect=True)
     assert exp.pool == {} and exp.bucket == {}  # marking stores nothing
     assert marks[0] == [True, True] + [False] * (K - 2)
     assert marks[1] == [True, False, False] + [False] * (K - 3)  # [5] and [6] are stored by then
@@ -790,6 +829,26 @@ def test_a_question_twice_in_a_step_scores_what_its_second_group_stores():
         exp.record(0, correct, comps, [torch.zeros(1) if x else torch.full((1,), float("nan")) for x in m], True)
     assert sorted(t.tokens for t in exp.pool[0]) == [(4,), (6,)]
     plain = Experience(K)
-    marks = plain.to_store_step([(3, *first), (7, *first), (3, *first)], collect=True)
+    marks = plain.to_store_step([(3, *first, False), (7, *first, False), (3, *first, False)], collect=True)
     assert marks[0] == marks[1] == first[0] and marks[2] == [False] * K  # question 3's repeats: already stored
     assert plain.pool == {}  # marking stores nothing
+
+
+def test_a_replayed_trajectory_keeps_its_collection_log_probs():
+    """π_past is the policy that collected a trajectory (ExGRPO §4.2, eq. 4's denominator). Its question drawn fresh
+    in the same step, with --max-stored 2, can push the replayed trajectory out of the buffer before its own group is
+    recorded; it must not come back with this step's log-probs as π_past (its next replay's w would be ~1: the shaping
+    would treat a stale trajectory as fresh). Fails if record() or to_store_step store a group's replayed row."""
+    exp = Experience(K, max_stored=2)
+    exp.record(0, [True] + [False] * (K - 1), [[1]] + [[9]] * (K - 1), [torch.full((1,), -5.0)] * K, collect=True)
+    fresh = ([True, True] + [False] * (K - 2), [[3], [4]] + [[9]] * (K - 2), False)  # drawn fresh: two new correct
+    replay = ([True, True] + [False] * (K - 2), [[1], [5]] + [[9]] * (K - 2), True)  # [1] from the buffer, [5] new
+    marks = exp.to_store_step([(0, *fresh), (0, *replay)], collect=True)
+    assert marks[1] == [False, True] + [False] * (K - 2)  # the replayed row is not scored to be stored
+    for (correct, comps, replayed), m in zip((fresh, replay), marks):
+        exp.record(0, correct, comps, [torch.full((1,), -0.1)] * K, True, replayed)
+    assert [t.tokens for t in exp.pool[0]] == [(4,), (5,)]  # [1] was pushed out by [3] and [4], and stays out
+    exp = Experience(K)  # unbounded: [1] is still stored, with its own log-probs
+    exp.record(0, [True] + [False] * (K - 1), [[1]] + [[9]] * (K - 1), [torch.full((1,), -5.0)] * K, collect=True)
+    exp.record(0, *replay[:2], [torch.full((1,), -0.1)] * K, True, True)
+    assert {t.tokens: float(t.logp[0]) for t in exp.pool[0]} == {(1,): -5.0, (5,): pytest.approx(-0.1)}

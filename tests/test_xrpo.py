@@ -177,6 +177,14 @@ def test_7_truncation_keeps_head_and_answer(tok):
     assert xrpo.icl_prompt(tok, "NEW", shots, max_len=60) is None  # nothing fits: the caller uses the plain prompt
 
 
+def test_7_a_tight_prompt_keeps_the_nearest_exemplar(tok):
+    """Exemplars come nearest first (§3.2: the K most similar solved problems); when only one fits (App. C: the prompt
+    must fit its window) it is the nearest. Catches the nearest exemplar dropped first."""
+    long = "Step one. " * 200 + "So the answer is \\boxed{17}."
+    text = tok.decode(xrpo.icl_prompt(tok, "NEW", [("Problem NEAR", long), ("Problem FAR", long)], max_len=150))
+    assert text.count("<example id=") == 1 and "Problem NEAR" in text and "Problem FAR" not in text
+
+
 def test_8_corpus_update_adds_exactly_the_correct():
     c = xrpo.Corpus(per_problem=3)
     sizes = [0]
@@ -257,6 +265,16 @@ def test_10_small_lambda_is_below_the_cap():
     assert bonus[0].item() == pytest.approx(0.01 * (1 - eta.item()), rel=1e-5)
 
 
+def test_10_only_correct_rollouts_gain_a_bonus_whatever_their_advantage():
+    """Eq. 6 sharpens correct rollouts only. With a format reward a wrong but boxed rollout can have A > 0 and be its
+    group's least likely (η < 1): it still gets no bonus. Catches the bonus gated by the cap κA, not correctness."""
+    adv = torch.tensor([0.8, 0.4, -1.2])  # right and boxed, wrong but boxed, wrong: rewards 1.1, 0.1, 0 centred
+    correct = torch.tensor([1, 0, 0])
+    score = torch.tensor([-1.0, -3.0, -0.5])  # the wrong boxed one is the novel one
+    new, bonus = xrpo.sharpen(adv, correct, score, torch.zeros(3, dtype=torch.long), 2.5, 0.5)
+    assert torch.equal(bonus, torch.zeros(3)) and torch.equal(new, adv)
+
+
 def test_11_novelty_invariances():
     torch.manual_seed(0)
     lengths = torch.tensor([3, 5, 2, 4])
@@ -333,6 +351,54 @@ def test_12_icl_prompt_tokens_get_no_loss(tok, tiny_model_dir):
     reinforce = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert opt.grads[0].abs().max() > 0
     torch.testing.assert_close(opt.grads[0], reinforce, atol=1e-6, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def soft(tiny_model_dir):
+    """The tiny model with small (tied) embeddings: near-uniform next tokens, so that samples differ."""
+    m = Transformer.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        m.embed_tokens.weight.mul_(0.02)
+    return m
+
+
+def sample_rounds_of(model, tok, problems, corpus, **options):
+    """xrpo.sample_rounds on plain prompts with the tiny model: n_base = 2 and one round of the other 2 per prompt."""
+    from common.tasks import format_question
+    cfg = xrpo.Config(**{"group_size": 4, "base_rollouts": 2, "rounds": 1, "max_new_tokens": 4, "temperature": 1.0,
+                         **options})
+    contexts = [tok.prompt(format_question(p)) for p in problems]
+    b, _, _, icl, per_prompt = xrpo.sample_rounds(model, tok, problems, contexts, corpus, cfg, 0,
+                                                  torch.autocast("cpu", enabled=False))
+    return contexts, b, icl, per_prompt
+
+
+def test_rounds_draw_new_rollouts(soft, tok):
+    """A round samples new rollouts of its prompts (Alg. 1: each round draws n_q more from π_θ), not copies of the
+    base round's. One prompt, 2 base rollouts and a round of 2: the round's completions repeat none of the base's.
+    Catches every round sampled with the base round's seed."""
+    from common.tasks import Problem
+    _, b, icl, per_prompt = sample_rounds_of(soft, tok, [Problem("What is 2 + 3?", "5")], xrpo.Corpus(), icl=False)
+    assert per_prompt == [4] and not icl.any()
+    assert not {tuple(t) for t in b.tokens[:2]} & {tuple(t) for t in b.tokens[2:]}
+
+
+def test_icl_rollouts_join_the_prompts_group_in_their_own_context(soft, tok):
+    """A prompt with no correct base rollout is sampled in the round from its in-context prompt (§3.2, App. C); those
+    rollouts are normalised in the prompt's group and carry the context they were sampled from, so their sampler
+    log-probs, s(y) (eq. 4) and the update's ratio all refer to one context. Catches seeded rollouts batched with the
+    plain prompt (or in a group of their own)."""
+    from common.tasks import Problem
+    near, solution = "What is 1 + 1?", "1 + 1 = \\boxed{2}"
+    corpus = xrpo.Corpus()
+    corpus.vectors = {"What is 2 + 3?": torch.tensor([1.0, 0.0]), near: torch.tensor([0.8, 0.6])}
+    corpus.add(near, solution)
+    problem = Problem("What is 2 + 3?", "no digit answers this")  # every rollout wrong: the round is seeded
+    contexts, b, icl, per_prompt = sample_rounds_of(soft, tok, [problem], corpus)
+    assert per_prompt == [4] and icl.tolist() == [False, False, True, True]
+    seeded = xrpo.icl_prompt(tok, problem.prompt, [(near, solution)], xrpo.Config().icl_max_len)
+    assert b.context[:2] == [contexts[0]] * 2 and b.context[2:] == [seeded] * 2 and seeded != contexts[0]
+    assert b.group.tolist() == [0, 0, 0, 0]
 
 
 # ---------------------------------------------------------------------------------- the loop: main()
@@ -527,6 +593,37 @@ def test_icl_init_seeds_the_corpus_before_step_1(tmp_path, monkeypatch, digit_mo
     state = torch.load(tmp_path / "runs" / "init" / "checkpoint" / "trainer.pt", weights_only=False)
     step_1 = init["reward/acc"] * init["xrpo/rollouts_mean"] * 4  # correct rollouts of step 1
     assert sum(len(v) for v in state["extra"]["xrpo_corpus"]["solutions"].values()) > step_1
+
+
+def test_correct_icl_rollouts_join_the_corpus(tmp_path, monkeypatch, digit_model_dir):
+    """Alg. 1 line 18: every correct rollout of the step joins the corpus, ICL-seeded ones included (they solve q).
+    C_init is scored right and the step's base rollouts wrong, so every prompt is seeded, and the seeded rollouts are
+    then counted right: update_corpus must receive them as correct. Catches the corpus fed plain rollouts only."""
+    phase, seen = {"init": False}, {}
+    real_seed, real_rounds, real_update = xrpo.seed_corpus, xrpo.sample_rounds, xrpo.update_corpus
+
+    def seed_corpus(*args):
+        phase["init"] = True
+        real_seed(*args)
+        phase["init"] = False
+
+    def sample_rounds(*args):
+        b, texts, correct, icl, per_prompt = real_rounds(*args)
+        seen["correct"] = torch.maximum(correct, icl.float())
+        return b, texts, seen["correct"], icl, per_prompt
+
+    monkeypatch.setattr(xrpo, "score", lambda text, answer: float(phase["init"]))
+    monkeypatch.setattr(xrpo, "seed_corpus", seed_corpus)
+    monkeypatch.setattr(xrpo, "sample_rounds", sample_rounds)
+
+    def update_corpus(corpus, problems, texts, correct):
+        seen["fed"] = list(correct)  # C_init's call first, the step's last
+        real_update(corpus, problems, texts, correct)
+
+    monkeypatch.setattr(xrpo, "update_corpus", update_corpus)
+    run_main(xrpo, tmp_path, monkeypatch, *digit_args(digit_model_dir, tmp_path), "--steps", "1", "--run-name", "c",
+             "--base-rollouts", "3", "--icl-init", "4")
+    assert seen["correct"].sum() > 0 and seen["fed"] == seen["correct"].tolist()
 
 
 def test_fsdp_under_torchrun_is_refused(monkeypatch):
