@@ -720,3 +720,64 @@ def test_prior_with_another_tokenizer_is_refused(in_tmp, models, capsys):
     code, err = run_cli(capsys, *run_args(models, "--run-name", "x", "--prior", str(other)))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--prior" in err and "tokenizer" in err, err
     assert not (in_tmp / "runs").exists()
+
+
+# ------------------------------------------------------------- added by mutation testing (fail on a mutant each)
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_2_linear_and_cosine_anneal_symmetrically_to_0_at_T(schedule):
+    """Linear and cosine both take λ from λ_0 at k = 0 to 0 at k = T point-symmetrically: λ_k + λ_{T-k} = λ_0 (λ_0 / 2
+    half-way), so λ comes down to 0 at T without a jump (catches a cosine over another period, cut off at T)."""
+    T, lam0 = 10, 0.8
+    for k in range(1, T):
+        pair = eapo.injection_prob(k, lam0, T, schedule) + eapo.injection_prob(T - k, lam0, T, schedule)
+        assert pair == pytest.approx(lam0), (k, pair)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_5_omega_in_the_loop_is_pi_old_over_mu_on_the_kept_tokens(in_tmp, models, monkeypatch, level):
+    """The abstract's adapted IS weights, end to end over two steps (λ = 0.6, then 0.45) with a calibrated τ: on
+    augmented completions the sampler emitted with μ = (1 - λ) π_old + λ π_RL exactly where the policy's entropy
+    exceeds τ (μ = π_old elsewhere), and with --dynamic-sampling dropping a group before a kept one the update weights
+    each kept token by ω = π_old / μ, truncated at --seq-cap under sequence (one-token completions: the product is ω).
+    Catches the sampler given λ_0 or --tau instead of the step's λ and the calibrated τ, μ taken as π_RL, ω read off
+    the dropped groups' tokens, and --seq-cap forgotten."""
+    made, seen = [], []
+    real_rollouts, real_update = eapo.rollouts, eapo.update
+    monkeypatch.setattr(eapo, "rollouts", lambda *a, **kw: made.append(g := real_rollouts(*a, **kw)) or g)
+    monkeypatch.setattr(eapo, "update", lambda *a, **kw: seen.append((a[3], a[-1])) or real_update(*a, **kw))
+
+    def verify(b, tok, cfg):  # even groups all wrong (dropped), odd ones right once (kept): on any CPU's samples
+        first = torch.ones(len(b.group), dtype=torch.bool)
+        first[1:] = b.group[1:] != b.group[:-1]
+        correct = (first & (b.group % 2 == 1)).float()
+        return correct, correct.clone()
+    monkeypatch.setattr(eapo, "verify", verify)
+    # λ_0 = 0.6 annealed over T = 4; half of each group augmented; a small --lr keeps step 2's entropies above τ
+    eapo.main(run_args(models, "--steps", "2", "--run-name", "w", "--prior", str(models[1]), "--lam0", "0.6",
+                       "--anneal-steps", "4", "--augmented", "4", "--tau-quantile", "0.3", "--dynamic-sampling",
+                       "--lr", "1e-4", "--prompts-per-step", "8", "--seed", "0", "--is-level", level,
+                       "--seq-cap", "1.2"))
+    rows, G_e, cap = rows_of("w"), 4, 1.2 if level == "sequence" else math.inf
+    assert [rows[k]["eapo/lambda"] for k in (1, 2)] == pytest.approx([0.6, 0.45]) and len(made) == len(seen) == 2
+    acted = set()  # the run can tell: μ != π_old at λ = 0.45, a group dropped before a kept one, ω above the cap
+    for step, groups, (b, loss_kw) in zip((1, 2), made, seen):
+        lam, tau = rows[step]["eapo/lambda"], rows[step]["eapo/tau"]
+        kept, expected = sorted(set(b.group.tolist())), [torch.zeros(0, dtype=torch.float64)]
+        acted |= {"shifted"} if kept != list(range(len(kept))) else set()
+        for g, group in enumerate(groups):
+            for j, s in enumerate(group):
+                p_old, p_rl = s.logprobs.double().exp(), s.extras["rl_logp"].double().exp()
+                critical = (s.entropies > tau) & (j < G_e)
+                mu = torch.where(critical, (1 - lam) * p_old + lam * p_rl, p_old)
+                if j < G_e:  # what the sampler reports (ordinary completions carry no μ)
+                    assert torch.equal(s.extras["eligible"], s.entropies > tau)
+                    torch.testing.assert_close(s.extras["mu_logp"].double().exp(), mu, rtol=1e-5, atol=1e-12)
+                acted |= {"annealed"} if step == 2 and ((mu / p_old - 1).abs() > 0.01).any() else set()
+                omega = p_old / mu
+                omega = omega.prod().expand(len(omega)) if level == "sequence" else omega
+                if g in kept:
+                    acted |= {"binds"} if (omega > 1.2).any() else set()
+                    expected.append(omega.clamp(max=cap))
+        torch.testing.assert_close(loss_kw["weights"].double(), torch.cat(expected), rtol=1e-5, atol=1e-6)
+    assert acted == {"annealed", "shifted", "binds"}

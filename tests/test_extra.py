@@ -551,3 +551,90 @@ def test_option_a_in_the_loop(tmp_path, line_model_dir, monkeypatch):
     paid = [r for r in rows.values() if r["extra/bonus_share"] > 0]
     assert paid and all(r["extra/bonus_mean"] > 0 for r in paid)  # what the rewards gained (rewards - verifier's)
     assert all(r["reward/mean"] == pytest.approx(r["reward/acc"]) for r in rows.values())  # reward/: the verifier's
+
+
+# ------------------------------------------------------------- added by mutation testing (fail on a mutant each)
+
+def test_novelty_memory_is_the_last_H_rollouts():
+    """§3.1's memory is the prompt's last H rollouts: after three visits of G = 2 with H = 4 the first visit's
+    embeddings are gone, so a rollout equal to one of them is novel and one equal to a kept one is not (catches a
+    FIFO that keeps the oldest H)."""
+    g = torch.Generator().manual_seed(4)
+    visits = [unit(torch.randn(2, 8, generator=g)) for _ in range(3)]
+    memories, group = {}, torch.zeros(2, dtype=torch.long)
+    for v in visits:
+        extra.group_novelty(memories, [("x",)], group, v, 4)
+    torch.testing.assert_close(memories[("x",)].float(), torch.cat(visits[1:]), atol=1e-3, rtol=0)
+    d = extra.group_novelty(memories, [("x",)], group, torch.cat([visits[0][:1], visits[2][1:]]), 4)
+    assert d[0] > 0.05 and d[1] < 1e-3, d
+
+
+def test_prefix_cuts_gap_is_at_least_not_more_than():
+    """Cut points are kept greedily at least min_gap apart (§3.2's boundary gap): with a line break at every token they
+    fall exactly min_gap apart from min_gap on, the last dropped (catches a strict gap, min_gap + 1 apart)."""
+    NL = 198
+    for gap in (1, 3, 5):
+        cuts = extra.prefix_cuts([NL] * 31, {NL}, gap, max_cuts=100)
+        assert cuts == list(range(gap, 31 // gap * gap, gap)), (gap, cuts)  # every gap-th, the last dropped
+
+
+def test_prefix_cuts_thinning_spreads_over_the_whole_answer():
+    """More candidates than max_cuts: the kept cut points are spread evenly over all candidates, from the first to
+    near the last, not the first max_cuts of them (catches a thinning that keeps only the answer's beginning)."""
+    NL = 198
+    tokens = ([5] * 3 + [NL]) * 40  # a candidate every 4 tokens
+    every = extra.prefix_cuts(tokens, {NL}, 4, max_cuts=1000)  # 39 (the last break dropped)
+    cuts = extra.prefix_cuts(tokens, {NL}, 4, max_cuts=15)
+    assert len(cuts) == 15 and set(cuts) <= set(every) and cuts[0] == every[0]
+    spacing = {(b - a) // 4 for a, b in zip(cuts, cuts[1:])}  # in candidates
+    assert max(spacing) - min(spacing) <= 1 and cuts[-1] >= every[-1] - 4 * (len(every) // 15 + 1), cuts
+
+
+def test_select_prefix_smoothing_is_a_weighted_mean():
+    """m̃ = softmax(E Eᵀ / τ) m with each row of the softmax summing to 1 (§3.2): m̃ is a weighted mean of the MTEs,
+    so adding a constant to every MTE cannot change the choice (catches the softmax taken over the wrong axis)."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        k = int(torch.randint(2, 9, (1,), generator=g))
+        emb, mte = torch.randn(k, 4, generator=g), torch.rand(k, generator=g)
+        for tau in (0.1, 1.0):
+            assert extra.select_prefix(emb, mte, tau) == extra.select_prefix(emb, mte + 1.0, tau)
+
+
+def test_regenerate_scores_the_cut_rollout_and_keeps_the_newest_prefixes():
+    """A stored prefix's MTE is the mean T = 1 entropy over the prefix of the rollout it was cut from (§3.2), whichever
+    member of the group that is, and the prefix memory keeps the newest --prefix-memory entries (catches the MTE read
+    off another rollout, or a memory that keeps the oldest)."""
+    NL = 198
+    cfg = extra.Config(boundary_gap=1, prefix_memory=2, tau=0.1, max_prompt_len=100, cuttable_only=True)
+    fake = lambda seqs: unit(torch.tensor([[len(s), 1.0] for s in seqs]))  # noqa: E731
+    state = {"prefixes": {}}
+    for v in range(3):  # three visits; the most confident rollout is the group's last, cut after its first break
+        tokens = [[4, NL, 5, NL, 6], [4, NL, 5, NL, 6], [10 + v, NL, 7, NL, 2]]
+        ent = [torch.full((5,), 2.0), torch.full((5,), 1.5), torch.tensor([0.2 + v, 0.4, 0.0, 0.0, 0.0])]
+        extra.regenerate(state, [([1], "9", tokens, ent)], fake, {NL}, cfg)
+    memory = state["prefixes"][(1,)]
+    assert [m["ids"] for m in memory] == [[11, NL], [12, NL]]
+    assert [m["mte"] for m in memory] == pytest.approx([(1.2 + 0.4) / 2, (2.2 + 0.4) / 2])
+
+
+def test_regeneration_entropies_are_at_temperature_1(tmp_path, line_model_dir, monkeypatch):
+    """§3.2's MTE is π_θold's at T = 1 (the authors' code) whatever --temperature samples: once regeneration is on, the
+    loop asks the sampler for entropies at 1.0 (catches the sampling temperature passed instead). Stops at the first
+    training sample."""
+    monkeypatch.chdir(tmp_path)
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def generate(*a, **kw):
+        asked.append(kw.get("entropy_at"))
+        raise Stop
+
+    monkeypatch.setattr(extra, "generate", generate)
+    with pytest.raises(Stop):
+        extra.main([*host_args(line_model_dir, tmp_path), "--temperature", "0.7", "--regen-warmup", "0",
+                    "--no-novelty", "--steps", "1", "--run-name", "t1", "--eval-size", "1",
+                    "--eval-max-new-tokens", "0"])
+    assert asked == [1.0]
