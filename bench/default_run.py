@@ -25,6 +25,8 @@ checkpointing, on by default, runs the forward twice, 8 x in fact, so the predic
 sampling as 2 x parameters per generated token, so the time on another machine can be predicted from its
 matmul rate (--predict-gflops).
 """
+import contextlib
+import io
 import json
 import re
 import statistics
@@ -184,29 +186,34 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
 def overview(results: list, machine: str):
     """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
     mean +- std of the gain and of that ratio over seeds per algorithm, under `machine`: the line that says which CPU
-    made the runs."""
-    grpo_wall = {seed: r["wall_s"] for algo, seed, r in results if algo == "grpo" and r["wall_s"]}
-    ratio = lambda seed, r: r["wall_s"] / grpo_wall[seed] if r["wall_s"] and seed in grpo_wall else None  # noqa: E731
+    made the runs. A run's grpo.py run is its "base" when it has one (--run: the one made beside it), else the last
+    grpo.py run of its seed given."""
     # the work a file's mechanism adds, beside grpo.py's of the seed: tokens through the training forward (what it
     # makes trainable) and tokens sampled (its rollouts are grpo.py's B x G; prefix and in-context prompts are extra)
     grpo_runs = {seed: r for algo, seed, r in results if algo == "grpo"}
+    base_of = lambda seed, r: r.get("base") or grpo_runs.get(seed, {})  # noqa: E731
+
+    def ratio(seed, r):
+        base = base_of(seed, r).get("wall_s")
+        return r["wall_s"] / base if r["wall_s"] and base else None
 
     def with_ratio(seed, r, key):  # "17196 (0.93)": the run's count and its ratio to grpo.py's of the seed
-        base = grpo_runs.get(seed, {}).get(key)
+        base = base_of(seed, r).get(key)
         return f"{r.get(key) or 0:.0f}" + (f" ({r[key] / base:.2f})" if r.get(key) and base else "")
 
     def at_grpo_rate(seed, r):
         """The ratio had the machine kept the matmul rate of grpo.py's run: the wall ratio times the run's mean
         rate (probes before and after it) over grpo.py's. An estimate: a shared machine drifts by tens of % within
         an hour, and the probes see only the run's two ends; None where a run has no probes."""
-        x, rate, base = ratio(seed, r), mean_rate(r), mean_rate(grpo_runs.get(seed, {}))
+        x, rate, base = ratio(seed, r), mean_rate(r), mean_rate(base_of(seed, r))
         return x * rate / base if x is not None and rate and base else None
 
     print(f"\n{machine}")
     for seed in sorted({seed for algo, seed, _ in results if algo == "grpo"}):
         n = sum(algo == "grpo" and s == seed for algo, s, _ in results)
         if n > 1:  # the ratios then depend on the order the runs were given in: say which one they use
-            print(f"seed {seed}: {n} grpo.py runs; the ratios below are to the last one given")
+            print(f"seed {seed}: {n} grpo.py runs; the ratios below are to the one made beside each run, "
+                  "else to the last one given")
     print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | at grpo's matmul rate "
           "| step: sample + score + train | peak RSS | trained tokens (x grpo) | sampled tokens (x grpo) "
           "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -220,7 +227,7 @@ def overview(results: list, machine: str):
               f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {adjusted} | {split} | "
               f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {with_ratio(seed, r, 'train_tokens')} | "
               f"{with_ratio(seed, r, 'sampled_tokens')} | {rate} |")
-    work_table(results, grpo_runs)
+    work_table(results, base_of)
     # over the seeds: the mean and the worst run, since a goal (a gain of at least 10 points, at most 1.2x grpo.py's
     # wall time, at most 3 x 10^9 B) is about every run
     print("\n| algorithm | runs | gain, mean ± std (points) | gain, lowest | wall / grpo, mean (highest) | "
@@ -236,7 +243,7 @@ def overview(results: list, machine: str):
               f"{two(statistics.fmean(adjusted) if adjusted else None)} | {rss:.2f} x 10^9 B |")
 
 
-def work_table(results: list, grpo_runs: dict):
+def work_table(results: list, base_of):
     """Time per unit of work beside grpo.py's run of the seed: a file whose mechanism makes more of the batch
     trainable, or samples more, takes longer at the same rates. Sampling per sampled token, training per token
     through the training forward, the scoring phase per step; then the steps' time had the run done grpo.py's work
@@ -247,7 +254,7 @@ def work_table(results: list, grpo_runs: dict):
 
     rows = []
     for algo, seed, r in results:
-        base = grpo_runs.get(seed, {})
+        base = base_of(seed, r)
         s, t = per_token(r, "sample", "sampled_tokens"), per_token(r, "train", "train_tokens")
         s0, t0 = per_token(base, "sample", "sampled_tokens"), per_token(base, "train", "train_tokens")
         if not (s and t and s0 and t0):
@@ -261,6 +268,27 @@ def work_table(results: list, grpo_runs: dict):
               "| training, ms per trained token (x grpo) | steps' time at grpo.py's token counts / grpo's |\n"
               "|---|---|---|---|---|---|")
         print("\n".join(rows))
+
+
+def pair_beside(results: list, runs: list, predict_gflops: float):
+    """--run: each run's base is the grpo.py run of its seed made beside it, in the same folder (read from there if
+    it is not among the runs given), so that a ratio is always of two runs one after the other on one machine,
+    however folders of different days are mixed; a grpo.py run is its own base. A folder with no grpo.py run of the
+    seed leaves the run to overview's rule (the last grpo.py run of the seed given)."""
+    given = {Path(r["run"]).resolve(): r for _, _, r in results}
+    for (algo, seed, r), run in zip(results, runs):
+        if algo == "grpo":
+            r["base"] = r
+            continue
+        beside = sorted(p for p in run.parent.glob(f"bench-grpo-s{seed}-*") if (p / "metrics.jsonl").is_file())
+        if beside:
+            path = beside[-1].resolve()
+            if path not in given:
+                with contextlib.redirect_stdout(io.StringIO()):  # its own table is not asked for
+                    m = measured(path)
+                    given[path] = summarise(path, m.get("wall_s"), m.get("peak_rss_gb"), predict_gflops,
+                                            m.get("gflops"), m.get("cpu_flags"))
+            r["base"] = given[path]
 
 
 def mean_rate(r: dict) -> float | None:
@@ -361,6 +389,7 @@ def main():
                                       m.get("cpu_flags"))))
             if args.held_out:
                 reevaluate(run, args.held_out)
+        pair_beside(results, [r for r in args.run if not (r.suffix == ".log" and r.is_file())], args.predict_gflops)
         # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
         results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))
         # --run reads runs made anywhere: the flags they recorded (bench.json), never this machine's as theirs

@@ -194,9 +194,32 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
     default_run.overview([("grpo", 0, run(400.0, None)), ("grpo", 0, run(500.0, None)), ("xrpo", 0, run(600.0, None))],
                          "CPU flags: test")
     out = capsys.readouterr().out
-    assert "seed 0: 2 grpo.py runs; the ratios below are to the last one given" in out
+    assert "seed 0: 2 grpo.py runs; the ratios below are to the one made beside each run, else to the last one given" in out
     assert [line.split(" | ")[5] for line in out.splitlines() if line.startswith("| xrpo | 0 |")] == ["1.20"]
 
+
+
+def test_run_takes_each_ratio_to_the_grpo_run_made_beside_it(tmp_path):
+    """--run over folders of two sessions: each run's wall ratio and token ratio are to the grpo.py run of its seed
+    in its own folder, read from there when it is not given; not to the last grpo.py run given."""
+    def fake(folder, algo, wall, trained):
+        run = tmp_path / folder / f"bench-{algo}-s0-20261128-000000"
+        run.mkdir(parents=True)
+        step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
+                "reward/mean": 0.5, "perf/train_fwd_tokens": trained, "perf/sampled_tokens": 100}
+        rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": 0.4}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": "avx2"}))
+        return run
+    old_grpo, old_xrpo = fake("a", "grpo", 400.0, 1000), fake("a", "xrpo", 600.0, 1500)
+    fake("b", "grpo", 500.0, 2000)
+    new_xrpo = fake("b", "xrpo", 550.0, 3000)
+    out = bench(tmp_path, "--run", str(old_grpo), str(old_xrpo), str(new_xrpo))
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| xrpo | 0 | ") and " -> " in line]
+    assert [(r[5], r[9]) for r in rows] == [("1.50", "1500 (1.50)"), ("1.10", "3000 (1.50)")], rows
+    summary = next(line for line in out.splitlines() if line.startswith("| xrpo | 2 | "))
+    assert "| 1.30 (1.50) |" in summary, summary
+    assert "| grpo | 1 | " in out  # the grpo.py run read from b/ for its ratios is not a row of its own
 
 
 def test_summary_gives_each_files_mean_and_worst_run(capsys):
