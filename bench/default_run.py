@@ -270,17 +270,17 @@ def work_table(results: list, base_of):
         print("\n".join(rows))
 
 
-def pair_beside(results: list, runs: list, predict_gflops: float):
+def pair_beside(results: list, predict_gflops: float):
     """--run: each run's base is the grpo.py run of its seed made beside it, in the same folder (read from there if
     it is not among the runs given), so that a ratio is always of two runs one after the other on one machine,
     however folders of different days are mixed; a grpo.py run is its own base. A folder with no grpo.py run of the
     seed leaves the run to overview's rule (the last grpo.py run of the seed given)."""
     given = {Path(r["run"]).resolve(): r for _, _, r in results}
-    for (algo, seed, r), run in zip(results, runs):
+    for algo, seed, r in results:
         if algo == "grpo":
             r["base"] = r
             continue
-        beside = sorted(p for p in run.parent.glob(f"bench-grpo-s{seed}-*") if (p / "metrics.jsonl").is_file())
+        beside = sorted(p for p in Path(r["run"]).parent.glob(f"bench-grpo-s{seed}-*") if (p / "metrics.jsonl").is_file())
         if beside:
             path = beside[-1].resolve()
             if path not in given:
@@ -389,7 +389,7 @@ def main():
                                       m.get("cpu_flags"))))
             if args.held_out:
                 reevaluate(run, args.held_out)
-        pair_beside(results, [r for r in args.run if not (r.suffix == ".log" and r.is_file())], args.predict_gflops)
+        pair_beside(results, args.predict_gflops)
         # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
         results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))
         # --run reads runs made anywhere: the flags they recorded (bench.json), never this machine's as theirs
