@@ -195,6 +195,7 @@ def child(cmd: list[str], cfg: Config, log: Path) -> int:
     """Run a process: its output to the console (one job) or to `log` (several at once)."""
     if cfg.jobs == 1:
         return subprocess.run(cmd, env=child_env(cfg)).returncode
+    log.parent.mkdir(parents=True, exist_ok=True)  # an evaluation can start before any run has made runs/
     with open(log, "a") as out:
         return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(cfg)).returncode
 

@@ -2,6 +2,7 @@
 verdicts from synthetic numbers; the job scheduler."""
 import json
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -253,3 +254,12 @@ def test_execute_runs_dependencies_first_and_skips_after_a_failure():
 
     with pytest.raises(RunError, match="mismatch"):
         compare.execute(cfg, {("run", "grpo", 0): ([], broken)})
+
+
+def test_a_child_logs_into_a_folder_not_made_yet(workdir):
+    """With --jobs > 1 the start model's evaluation can be the first job to write under runs/, before any training
+    run has made the folder: its log is still written (it raised FileNotFoundError, a race under load)."""
+    cfg = compare.Config(jobs=2)
+    log = workdir / "runs" / "cmp-eval-start-s0.log"
+    assert compare.child([sys.executable, "-c", "print('hello')"], cfg, log) == 0
+    assert log.read_text() == "hello\n"
