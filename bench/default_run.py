@@ -152,10 +152,12 @@ def logged_time(run: Path) -> float | None:
     return 60 * int(found[-1][0]) + int(found[-1][1]) if found else None
 
 
-def reevaluate(run: Path, size: int) -> tuple[float, float]:
+def reevaluate(run: Path, size: int, start_acc: dict | None = None) -> tuple[float, float]:
     """Greedy accuracy of the run's start model and of its checkpoint on `size` held-out problems, drawn as the run
     draws its own (with seed 0 for every seed; for arith its own problems are the first of them): a second look with
-    less noise."""
+    less noise. start_acc: the start models' accuracies found so far, by what decides them (model, task, size,
+    device, dtype, tokens); runs of one command mostly share their start model, evaluated then once (greedy decoding
+    draws nothing, so the run's seed does not enter)."""
     import torch
 
     from common import checkpoint, dist
@@ -171,13 +173,19 @@ def reevaluate(run: Path, size: int) -> tuple[float, float]:
     device = torch.device(dist.resolve_device(cfg["device"]))
     dtype = compute_dtype(device, cfg["dtype"])
     held_out = load_task(cfg["task"], "test", n=size, seed=0)[:size]
-    evals = []
-    for model_dir in (cfg["model"], ckpt):  # as the run evaluates itself: its rollout copy's dtype, greedy
+    max_new_tokens = max(cfg.get("eval_max_new_tokens", 0), cfg["max_new_tokens"])
+
+    def accuracy(model_dir):  # as the run evaluates itself: its rollout copy's dtype, greedy
         model = Transformer.from_pretrained(model_dir, device=device).to(dtype)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            evals.append(evaluate(model, Tokenizer.from_pretrained(model_dir), held_out, seed=cfg["seed"],
-                                  max_new_tokens=max(cfg.get("eval_max_new_tokens", 0), cfg["max_new_tokens"]))
-                         ["eval/greedy_acc"])
+            return evaluate(model, Tokenizer.from_pretrained(model_dir), held_out, seed=cfg["seed"],
+                            max_new_tokens=max_new_tokens)["eval/greedy_acc"]
+
+    start_acc = {} if start_acc is None else start_acc
+    key = (cfg["model"], cfg["task"], size, str(device), str(dtype), max_new_tokens)
+    if key not in start_acc:
+        start_acc[key] = accuracy(cfg["model"])
+    evals = [start_acc[key], accuracy(ckpt)]
     print(f"| greedy accuracy on {size} held-out problems, start -> checkpoint | {evals[0]:.3f} -> {evals[1]:.3f} "
           f"({100 * (evals[1] - evals[0]):+.1f} points) |")
     return evals[0], evals[1]
@@ -375,7 +383,7 @@ def main():
     if args.jobs < 1 or args.held_out < 0 or not 0 < args.predict_gflops < float("inf"):
         p.error("expected --jobs >= 1, --held-out >= 0 and a finite --predict-gflops > 0")
     if args.run:
-        results, flags = [], []
+        results, flags, start_acc = [], [], {}
         for run in args.run:
             if run.suffix == ".log" and run.is_file():  # a shell glob also matches the runs' logs beside them
                 continue
@@ -388,7 +396,7 @@ def main():
                             summarise(run, m.get("wall_s"), m.get("peak_rss_gb"), args.predict_gflops, m.get("gflops"),
                                       m.get("cpu_flags"))))
             if args.held_out:
-                reevaluate(run, args.held_out)
+                reevaluate(run, args.held_out, start_acc)
         pair_beside(results, args.predict_gflops)
         # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
         results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))

@@ -12,6 +12,11 @@ since) is listed, not counted as a difference. Prints a table; exits 1 if a valu
 
     python bench/same_run.py bench/results/cpu-2026-11-28-amd-s3 --algo eapo   # ~12 min on 2 cores
 
+    python bench/same_run.py bench/results/cpu-2026-11-29-intel --against bench/results/cpu-2026-11-27-rerun
+
+--against compares the folder's runs with those of the same file and seed in other folders, every step, and runs
+nothing: whether two benchmark sessions on one kind of processor made the same runs.
+
 eapo.py runs only when asked: its π_RL is the seed's whole grpo.py run, whose checkpoint the folders do not keep, so
 that run is repeated first, all its steps, and compared as well (a row of its own), then eapo.py's first steps take
 its checkpoint as --prior.
@@ -98,37 +103,48 @@ def prior_run(run: Path) -> Path:
 def main():
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("folder", type=Path, help="a benchmark folder of bench-<algo>-s<seed>-* runs")
-    p.add_argument("--algo", default=",".join(ALGOS), help="comma-separated, of " + ", ".join(ALGOS) + ", eapo")
+    p.add_argument("--algo", default="", help="comma-separated, of " + ", ".join(ALGOS) + ", eapo (default: "
+                   "all but eapo; all five with --against)")
     p.add_argument("--steps", type=int, default=3, help="steps to run and compare (at most 12 of a 15-step run)")
+    p.add_argument("--against", type=Path, nargs="+", default=[],
+                   help="folders of runs made before: compare every step with their runs of the file and seed, run nothing")
     args = p.parse_args()
-    algos = args.algo.split(",")
+    algos = args.algo.split(",") if args.algo else [*ALGOS, "eapo"] if args.against else list(ALGOS)
     if not set(algos) <= {*ALGOS, "eapo"} or not 1 <= args.steps <= 12:
         fail(f"expected --algo of {', '.join(ALGOS)}, eapo and 1 <= --steps <= 12")
-    if not any(args.folder.glob("bench-*-s*")):
-        fail(f"{args.folder}: expected a folder of bench/default_run.py runs (bench-<algo>-s<seed>-...); none there")
+    for folder in (args.folder, *args.against):
+        if not any(folder.glob("bench-*-s*")):
+            fail(f"{folder}: expected a folder of bench/default_run.py runs (bench-<algo>-s<seed>-...); none there")
     table, failed = [], False
 
-    def row(algo, run, new, old, last):
+    def row(algo, name, new, old, last):
         nonlocal failed
         same, differ, only_new = compare(new, old, last)
         failed |= bool(differ)
         first = "" if not differ else "step {}: {} {!r} (committed {!r})".format(*differ[0])
-        table.append(f"| {algo} | {run.name} | {same} | {len(differ)} {first} | {', '.join(only_new)} |")
+        table.append(f"| {algo} | {name} | {same} | {len(differ)} {first} | {', '.join(only_new)} |")
 
     for algo in algos:
         runs = sorted(r for r in args.folder.glob(f"bench-{algo}-s*") if r.is_dir())
         if not runs:
             table.append(f"| {algo} | no bench-{algo}-s* run in {args.folder} | | | |")
         for run in runs:  # every seed of the file in the folder
+            if args.against:  # runs made before: compared, every step, with each run of the file and seed there
+                seed = run.name.split("-")[2]
+                for other in sorted(r for f in args.against for r in f.glob(f"bench-{algo}-{seed}-*") if r.is_dir()):
+                    old = rows(other / "metrics.jsonl")
+                    row(algo, f"{run.name} against {other.parent.name}/{other.name}", rows(run / "metrics.jsonl"), old,
+                        max(old))
+                continue
             with tempfile.TemporaryDirectory() as cwd:  # the runs write runs/<name>/ there, not into the repository
                 extra = ()
                 if algo == "eapo":  # π_RL first: the seed's whole grpo.py run, itself compared step for step
                     prior = prior_run(run)
                     old_prior = rows(prior / "metrics.jsonl")
-                    row("grpo (π_RL)", prior, rerun("grpo", prior, cwd, None), old_prior, max(old_prior))
+                    row("grpo (π_RL)", prior.name, rerun("grpo", prior, cwd, None), old_prior, max(old_prior))
                     extra = ("--prior", str(Path(cwd) / "runs/same-grpo/checkpoint"))
                 new = rerun(algo, run, cwd, args.steps, extra)
-            row(algo, run, new, rows(run / "metrics.jsonl"), args.steps)
+            row(algo, run.name, new, rows(run / "metrics.jsonl"), args.steps)
     print("\n| file | committed run | values equal | values differing | metrics the committed run lacks |")
     print("|---|---|---|---|---|")
     print("\n".join(table))

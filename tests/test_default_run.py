@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def bench(tmp_path, *args):
     return r.stdout
 
 
-def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
+def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir, monkeypatch):
     out = bench(tmp_path, "--algo", "eapo", "--seeds", "0", "--jobs", "2", "--", "--model", str(tiny_model_dir), *TINY,
                 "--decay-steps", "0")  # so that bench/same_run.py's --decay-steps 0 repeats the step below
     runs = sorted((tmp_path / "runs").glob("bench-*-s0-*[0-9]"))
@@ -41,6 +42,13 @@ def test_eapo_pipeline_then_summary_again(tmp_path, tiny_model_dir):
     accs = [r["eval/greedy_acc"] for r in rows if "eval/greedy_acc" in r]
     held = bench(tmp_path, "--run", str(runs[1]), "--held-out", "3")
     assert f"| greedy accuracy on 3 held-out problems, start -> checkpoint | {accs[0]:.3f} -> {accs[-1]:.3f}" in held
+    # runs that start from one model (eapo.py's and its prior's) evaluate it once: three evaluations for two runs
+    import common.evaluate
+    calls, real = [], common.evaluate.evaluate
+    monkeypatch.setattr(common.evaluate, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    start_acc = {}
+    both = [load_default_run().reevaluate(run, 3, start_acc) for run in runs]
+    assert len(calls) == 3 and both[0][0] == both[1][0] == accs[0], (calls, both)
     # bench/same_run.py --algo eapo: π_RL's grpo.py run again in full, then eapo.py's step on its checkpoint, both equal
     r = subprocess.run([sys.executable, str(REPO / "bench" / "same_run.py"), str(tmp_path / "runs"), "--algo", "eapo",
                         "--steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -276,6 +284,8 @@ def test_same_run_repeats_a_committed_run_and_names_a_differing_value(tmp_path, 
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| grpo |"))
     assert row.split("|")[4].strip() == "0" and int(row.split("|")[3]) > 10, row
+    before = tmp_path / "before"
+    shutil.copytree(folder, before)
     metrics = next(folder.glob("bench-grpo-s0-*")) / "metrics.jsonl"
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     step1 = next(r for r in lines if r["step"] == 1 and "reward/mean" in r)
@@ -283,6 +293,13 @@ def test_same_run_repeats_a_committed_run_and_names_a_differing_value(tmp_path, 
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
     r = same_run()
     assert r.returncode == 1 and "step 1: reward/mean" in r.stdout, r.stdout
+    # --against: the runs of two folders compared as they are, every step (2 here), nothing run again
+    for against, code in ((before, 0), (folder, 1)):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "same_run.py"), str(before), "--against", str(against)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        row = next(line for line in r.stdout.splitlines() if line.startswith("| grpo |"))
+        assert r.returncode == code and "running:" not in r.stdout and f"against {against.name}/bench-grpo-s0-" in row
+        assert ("step 1: reward/mean" in row) == bool(code) and int(row.split("|")[3]) > 20, r.stdout
 
 
 def test_unreadable_metrics_are_one_line_errors(tmp_path):
