@@ -1,6 +1,7 @@
 """An algorithm file's default run as a benchmark: accuracy before -> after, wall time, where a step's time goes,
 peak memory, and the work done (training FLOPs, sampled tokens), for one or several seeds; beside grpo.py's run of
-the seed, each file's time per sampled and per trained token, and its steps' time at grpo.py's token counts.
+the seed, each file's time per sampled and per trained token, and its steps' time at grpo.py's token counts; over
+the seeds, each file's gain minus grpo.py's of the same seed and machine, mean ± s.e., with bench/compare.py's verdict.
 
     python bench/default_run.py                       # `python grpo.py` (the defaults), seed 0, and its table
     python bench/default_run.py --seeds 0 1 2         # one run per seed, one after the other
@@ -238,17 +239,31 @@ def overview(results: list, machine: str):
     work_table(results, base_of)
     # over the seeds: the mean and the worst run, since a goal (a gain of at least 10 points, at most 1.2x grpo.py's
     # wall time, at most 3 x 10^9 B) is about every run
-    print("\n| algorithm | runs | gain, mean ± std (points) | gain, lowest | wall / grpo, mean (highest) | "
-          "at grpo's matmul rate, mean | peak RSS, highest |\n|---|---|---|---|---|---|---|")
+    # and the gain against grpo.py's run beside it (same seed, same machine), paired as bench/compare.py pairs them:
+    # the seed's luck and the machine's float sums are shared by the two runs, so the difference is the algorithm's
+    from bench.compare import VERDICT_RULE, mean_se, verdict
+
+    gain = lambda r: 100 * (r["acc_after"] - r["acc_before"])  # noqa: E731
+    print("\n| algorithm | runs | gain, mean ± std (points) | gain, lowest | gain - grpo.py's, paired: mean ± s.e. "
+          "| wall / grpo, mean (highest) | at grpo's matmul rate, mean | peak RSS, highest |"
+          "\n|---|---|---|---|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
         runs = [(s, r) for a, s, r in results if a == algo]
-        gains = [100 * (r["acc_after"] - r["acc_before"]) for _, r in runs]
+        gains = [gain(r) for _, r in runs]
+        diffs = [gain(r) - gain(b) for s, r in runs if (b := base_of(s, r)) and b is not r and "acc_after" in b]
+        if algo == "grpo" or not diffs:
+            paired = "-"
+        else:
+            m, se = mean_se(diffs)
+            m = round(m, 1) + 0.0  # no "-0.0" for a difference that is 0 up to float sums
+            paired = f"{m:+.1f}" + (f" ± {se:.1f}" if len(diffs) > 1 else "") + f": {verdict(diffs)[1]}"
         spread = f" ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else ""
         walls, adjusted = ([x for x in (fn(s, r) for s, r in runs) if x is not None] for fn in (ratio, at_grpo_rate))
         wall = f"{two(statistics.fmean(walls))} ({two(max(walls))})" if walls else two(None)
         rss = max(r["peak_rss_gb"] for _, r in runs) * 2 ** 30 / 1e9
-        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {min(gains):+.1f} | {wall} | "
-              f"{two(statistics.fmean(adjusted) if adjusted else None)} | {rss:.2f} x 10^9 B |")
+        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {min(gains):+.1f} | {paired} | "
+              f"{wall} | {two(statistics.fmean(adjusted) if adjusted else None)} | {rss:.2f} x 10^9 B |")
+    print(f"paired verdicts (better than grpo.py's gain) — {VERDICT_RULE}")
 
 
 def work_table(results: list, base_of):
@@ -401,9 +416,10 @@ def main():
         # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
         results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))
         # --run reads runs made anywhere: the flags they recorded (bench.json), never this machine's as theirs
-        recorded = {f for f in flags if f}
-        if len(recorded) == 1:
-            machine = (f"CPU flags (recorded with the runs): {recorded.pop()} "
+        recorded = {f: flags.count(f) for f in flags if f}  # runs of several machines are paired within each folder
+        if recorded:
+            each = "; ".join(f"{f} ({n} run{'s' * (n > 1)})" for f, n in recorded.items())
+            machine = (f"CPU flags (recorded with the runs): {each} "
                        f"({len(flags) - flags.count(None)} of the {len(flags)} runs recorded them)")
         else:
             machine = f"machine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})"

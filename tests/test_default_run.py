@@ -210,19 +210,20 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
 def test_run_takes_each_ratio_to_the_grpo_run_made_beside_it(tmp_path):
     """--run over folders of two sessions: each run's wall ratio and token ratio are to the grpo.py run of its seed
     in its own folder, read from there when it is not given; not to the last grpo.py run given."""
-    def fake(folder, algo, wall, trained):
+    def fake(folder, algo, wall, trained, flags="avx2"):
         run = tmp_path / folder / f"bench-{algo}-s0-20261128-000000"
         run.mkdir(parents=True)
         step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
                 "reward/mean": 0.5, "perf/train_fwd_tokens": trained, "perf/sampled_tokens": 100}
         rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": 0.4}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": "avx2"}))
+        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": flags}))
         return run
     old_grpo, old_xrpo = fake("a", "grpo", 400.0, 1000), fake("a", "xrpo", 600.0, 1500)
     fake("b", "grpo", 500.0, 2000)
-    new_xrpo = fake("b", "xrpo", 550.0, 3000)
+    new_xrpo = fake("b", "xrpo", 550.0, 3000, flags="amx_bf16 avx2")  # another machine: each folder pairs its own
     out = bench(tmp_path, "--run", str(old_grpo), str(old_xrpo), str(new_xrpo))
+    assert "CPU flags (recorded with the runs): avx2 (2 runs); amx_bf16 avx2 (1 run) (3 of the 3 runs" in out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| xrpo | 0 | ") and " -> " in line]
     assert [(r[5], r[9]) for r in rows] == [("1.50", "1500 (1.50)"), ("1.10", "3000 (1.50)")], rows
     summary = next(line for line in out.splitlines() if line.startswith("| xrpo | 2 | "))
@@ -231,19 +232,28 @@ def test_run_takes_each_ratio_to_the_grpo_run_made_beside_it(tmp_path):
 
 
 def test_summary_gives_each_files_mean_and_worst_run(capsys):
-    """The table over seeds: the mean gain and the lowest, the mean wall ratio and the highest, the highest peak RSS
-    (a goal holds for every run, so the worst one is shown beside the mean)."""
+    """The table over seeds: the mean gain and the lowest, the gain minus grpo.py's of the same seed (mean ± s.e.,
+    with compare.py's verdict), the mean wall ratio and the highest, the highest peak RSS (a goal holds for every
+    run, so the worst one is shown beside the mean)."""
     default_run = load_default_run()
 
     def run(after, wall, rss):
         return {"wall_s": wall, "gflops": None, "acc_before": 0.25, "acc_after": after, "peak_rss_gb": rss,
                 "step_split": {"sample": 1.0, "score": 0.0, "train": 1.0}, "train_tokens": 10, "sampled_tokens": 20}
     default_run.overview([("grpo", 0, run(0.40, 400.0, 2.5)), ("xrpo", 0, run(0.45, 600.0, 2.6)),
-                          ("grpo", 1, run(0.35, 500.0, 2.5)), ("xrpo", 1, run(0.30, 550.0, 2.8))], "CPU flags: test")
+                          ("extra", 0, run(0.50, 400.0, 2.5)), ("eapo", 0, run(0.30, 400.0, 2.5)),
+                          ("grpo", 1, run(0.35, 500.0, 2.5)), ("xrpo", 1, run(0.30, 550.0, 2.8)),
+                          ("extra", 1, run(0.40, 500.0, 2.5)), ("eapo", 1, run(0.25, 500.0, 2.5))], "CPU flags: test")
     out = capsys.readouterr().out
-    summary = next(line for line in out.splitlines() if line.startswith("| xrpo | 2 | "))
-    # gains +20 and +5: mean +12.5, std 10.6, lowest +5; wall ratios 1.50 and 1.10: mean 1.30, highest 1.50
-    assert summary == f"| xrpo | 2 | +12.5 ± 10.6 | +5.0 | 1.30 (1.50) | - | {2.8 * 2 ** 30 / 1e9:.2f} x 10^9 B |", summary
+    summary = {line.split(" | ")[0][2:]: line for line in out.splitlines() if line.startswith("| ") and " | 2 | " in line}
+    # gains +20 and +5: mean +12.5, std 10.6, lowest +5; against grpo.py's +15 and +10: +5 and -5, mean 0 ± 5.0;
+    # wall ratios 1.50 and 1.10: mean 1.30, highest 1.50
+    assert summary["xrpo"] == (f"| xrpo | 2 | +12.5 ± 10.6 | +5.0 | +0.0 ± 5.0: undecided | 1.30 (1.50) | - | "
+                               f"{2.8 * 2 ** 30 / 1e9:.2f} x 10^9 B |"), summary
+    # +25 and +15 against +15 and +10: +10 and +5, 7.5 ± 2.5, beyond 2 s.e.; +5 and 0: -10 both times
+    assert "| +7.5 ± 2.5: supported |" in summary["extra"] and "| -10.0 ± 0.0: contradicted |" in summary["eapo"]
+    assert "| grpo | 2 | +12.5 ± 3.5 | +10.0 | - |" in summary["grpo"]
+    assert "paired verdicts (better than grpo.py's gain) — supported: the mean paired difference" in out
 
 def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
     """Time per unit of work: a file that samples at 2x grpo.py's cost per token and trains at 1.1x, with 10 s of
