@@ -506,12 +506,15 @@ def delayed_start(mixed: bool, batch_acc: float, threshold: float) -> bool:
 # ----------------------------------------------------------------------------- ExGRPO: the fresh questions
 
 class QuestionStream:
-    """This rank's fresh questions, B per step: a seeded permutation of its question ids each epoch. At each epoch
-    start the retired questions leave it, unless B + 20 or fewer would remain (as in the authors' sampler). Without
-    retirement (and on one process) it gives grpo.py's step_prompts exactly. Its position goes in the checkpoint."""
+    """This rank's fresh questions, B per step: a seeded permutation of its active question ids each epoch. At an
+    epoch start the retired questions leave the active set if it still holds more than B + 20 (the authors' trainer
+    tests the size of the set left by the last filtering, then filters; once the test fails the set stays as it is,
+    and a retired question never comes back). Without retirement (and on one process) it gives grpo.py's
+    step_prompts exactly. Its active set and position go in the checkpoint."""
 
     def __init__(self, ids: list, B: int, seed: int):
         self.ids, self.B, self.seed = list(ids), B, seed
+        self.active = list(ids)
         self.epoch, self.order, self.pos = -1, [], 0
 
     def next(self, retired: set) -> list[int]:
@@ -525,17 +528,20 @@ class QuestionStream:
 
     def new_epoch(self, retired: set):
         self.epoch, self.pos = self.epoch + 1, 0
-        active = [q for q in self.ids if q not in retired]
-        # the authors' B + 20 rule, with this rank's B and ids (under torchrun, per rank: our choice)
-        active = active if len(active) > self.B + 20 else self.ids
-        perm = torch.randperm(len(active), generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
-        self.order = [active[int(i)] for i in perm]
+        # the authors' B + 20 rule (mix_trainer_experience.py), with this rank's B and ids (per rank: our choice)
+        if len(self.active) > self.B + 20:
+            kept = [q for q in self.active if q not in retired]
+            # our choice: never fewer than B questions (the authors' drop_last would then make empty epochs)
+            self.active = kept if len(kept) >= self.B else self.active
+        perm = torch.randperm(len(self.active), generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
+        self.order = [self.active[int(i)] for i in perm]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "order": list(self.order), "pos": self.pos}
+        return {"epoch": self.epoch, "order": list(self.order), "pos": self.pos, "active": list(self.active)}
 
     def load_state_dict(self, s: dict):
         self.epoch, self.order, self.pos = s["epoch"], list(s["order"]), s["pos"]
+        self.active = list(s.get("active", self.ids))  # checkpoints before it was kept: all of the rank's ids
 
 
 # -------------------------------------------------------------------------------------------- loss

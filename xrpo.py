@@ -208,6 +208,8 @@ def validate(cfg: Config):
     check(cfg.icl_shots >= 0 and cfg.icl_per_problem > 0, "icl_shots/icl_per_problem", "K >= 0 and a positive cap")
     check(cfg.icl_init >= 0 and cfg.icl_init % dist.world() == 0, "icl_init", f"0 or a multiple of the world size {dist.world()}")
     check(cfg.nov_lambda >= 0 and cfg.nov_kappa >= 0, "nov_lambda/nov_kappa", "non-negative numbers")
+    check(not (cfg.nov_all_correct and cfg.dynamic_sampling), "nov_all_correct",
+          "off with --dynamic-sampling (which drops the all-correct groups before any bonus)")
     check(cfg.prompts_per_step // dist.world() * cfg.base_rollouts >= cfg.mini_batches, "mini_batches",
           "at most the fewest completions a step can give a rank (prompts_per_step / world * base_rollouts)")
 
@@ -349,14 +351,15 @@ def allocate(rewards: list[list[float]], budget: int, lam: float, conf: float, m
       "in proportion to its current priority score"): floors first, then the leftover units to the largest
       fractional parts, ties to the higher Π, then the lower prompt index. The sum is exactly T.
     greedy: one unit at a time to the highest Π, recomputed with n_q + 1 after each unit (eq. 3 read as "the
-      priority for the next rollout"); ties to the lower index.
+      priority for the next rollout"); ties to the prompt with fewer units so far, then the lower index (our
+      choice: with λ = 0 and no prompt varying every Π is 0, and the round then splits evenly, as proportional's)
     uniform: T/B each, the leftover units to the lowest indices (the "w/o HRP" ablation, §4.3)."""
     B = len(rewards)
     if mode == "greedy":
         got = [0] * B
         for _ in range(budget):
             pri = priorities(rewards, budget, lam, conf, extra=got)
-            got[max(range(B), key=lambda q: (pri[q], -q))] += 1
+            got[max(range(B), key=lambda q: (pri[q], -got[q], -q))] += 1
         return got
     pri = priorities(rewards, budget, lam, conf) if mode == "proportional" else [1.0] * B
     total = sum(pri)

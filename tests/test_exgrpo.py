@@ -214,8 +214,19 @@ def test_question_stream_drops_retired_at_epoch_start():
     retired = {0, 1, 2, 3, 4, 5, 6, 7}  # 32 remain > B + 20
     second = [q for _ in range(8) for q in s.next(retired)]
     assert sorted(second) == list(range(8, 40))
-    tiny = QuestionStream(list(range(24)), B=4, seed=3)  # 24 - 8 = 16 < B + 20: keep all
+    # the next epoch starts from those 32 > B + 20: 16 more retire, 16 remain
+    third = [q for _ in range(4) for q in s.next(retired | set(range(8, 24)))]
+    assert sorted(third) == list(range(24, 40))
+    # 16 <= B + 20: the set stays as it is, and neither the questions retired since leave it nor the retired
+    # ones of earlier epochs come back (the authors' trainer filters only a set larger than B + 20)
+    fourth = [q for _ in range(4) for q in s.next(set(range(28)))]
+    assert sorted(fourth) == list(range(24, 40))
+    assert sorted(s.state_dict()["active"]) == list(range(24, 40))  # what a resumed run goes on from
+    tiny = QuestionStream(list(range(24)), B=4, seed=3)  # 24 is not > B + 20: keep all
     assert sorted(q for _ in range(6) for q in tiny.next(retired)) == list(range(24))
+    floor = QuestionStream(list(range(30)), B=4, seed=3)  # 30 > B + 20, but 2 would remain (< B): keep all 30
+    floor.new_epoch(set(range(28)))
+    assert sorted(floor.order) == list(range(30))
 
 
 def test_question_stream_equals_grpo_step_prompts_without_retirement():
@@ -622,9 +633,9 @@ def test_nothing_is_collected_before_the_delayed_start(in_tmp, soft_model_dir):
 
 
 def test_ablations_no_shaping_no_is_correction(in_tmp, soft_model_dir, monkeypatch):
-    """ExGRPO Table 6 end to end: the switches reach token_loss at replay steps, and with --no-is-correction the
-    replayed tokens' logged ratio w* is 1 (against π_θold, not the stored π_past). Catches the loop ignoring
-    --no-is-correction; test_switches_in_token_loss catches token_loss ignoring either."""
+    """ExGRPO Table 6 end to end: the switches reach token_loss at replay steps (catches the loop not passing them
+    on; test_switches_in_token_loss catches token_loss ignoring either), and the logged ratio w* of the replayed
+    tokens follows the switch: 1, against π_θold rather than the stored π_past (catches the metric ignoring it)."""
     seen = spy_main(monkeypatch, ["--model", str(soft_model_dir), "--run-name", "abl", "--steps", "3", "--start-acc",
                                   "-1", "--prompts-per-step", "4", *RUN[2:], "--no-policy-shaping",
                                   "--no-is-correction", "--trajectory-choice", "random", "--bucket-weighting",

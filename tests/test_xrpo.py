@@ -90,7 +90,8 @@ def test_6_lambda_zero_and_positive():
         got = xrpo.allocate(rewards, 13, 0.0, 0.95, "greedy" if greedy else "proportional")
         assert got[1] == 0 and got[2] == 0 and sum(got) == 13
     assert all(p > 0 for p in xrpo.priorities(rewards, 13, 0.1, 0.95))  # every raw share T·Π/ΣΠ > 0
-    assert xrpo.allocate([[0, 0, 0]] * 4, 6, 0.0, 0.95) in ([2, 2, 1, 1],)  # nothing ranks them: even split
+    for mode in ("proportional", "greedy"):  # nothing ranks them: an even split, not all to the first prompt
+        assert xrpo.allocate([[0, 0, 0]] * 4, 6, 0.0, 0.95, mode) == [2, 2, 1, 1], mode
 
 
 def test_round_budgets_put_the_remainder_last():
@@ -514,6 +515,7 @@ def test_smoke_main_on_tiny_model(tmp_path, monkeypatch, tiny_model_dir, options
     (["--rounds", "0"], "--rounds"),
     (["--alloc-conf", "95"], "alloc-conf"),
     (["--icl-max-len", "5"], "--icl-max-len"),
+    (["--nov-all-correct", "--dynamic-sampling"], "--nov-all-correct"),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, tiny_model_dir, args, option):
     from common.config import ConfigError
