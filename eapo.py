@@ -184,6 +184,8 @@ def validate(cfg: Config):
     check(cfg.tau == -1 or cfg.tau >= 0, "tau", "-1 (calibrate) or an entropy >= 0 in nats")
     check(0 < cfg.tau_quantile < 1 and (cfg.omega_cap == 0 or cfg.omega_cap >= 1) and cfg.seq_cap >= 1,
           "tau_quantile/omega_cap/seq_cap", "0 < tau_quantile < 1, omega_cap 0 (off) or >= 1 and seq_cap >= 1")
+    check(cfg.omega_cap == 0 or cfg.is_level == "token", "omega_cap",
+          "0 unless --is-level token (the sequence-level weight is capped by --seq-cap; none has no weight to cap)")
     # the policy's draw is the speculative draft: it must come from the whole softmax π_old
     check(cfg.top_p == 1 or cfg.lam0 == 0, "top_p", "1 (EAPO drafts from the untruncated policy)")
 
@@ -319,8 +321,9 @@ def behaviour_logp(old_logp, rl_logp, lam: float, eligible):
     from π_old with probability 1 - λ and from π_RL with probability λ, so μ = (1 - λ) π_old + λ π_RL;
     elsewhere μ = π_old. our choice: the coin is folded into the mixture (eligibility is a function of the
     state, the coin is not), so ω depends on the emitted token alone, not on the unlogged coin, and is at most
-    1 / (1 - λ) (conditioning on the coin would give the unbounded π_old / π_RL). Log space keeps tiny
-    probabilities finite."""
+    1 / (1 - λ) for λ < 1 (conditioning on the coin would give the unbounded π_old / π_RL at any λ). At λ = 1
+    (λ_0's default, step 1) the mixture is π_RL and ω = π_old / π_RL is unbounded; --omega-cap bounds it. Log space
+    keeps tiny probabilities finite."""
     if lam <= 0:
         return old_logp.clone()
     mixture = torch.logaddexp(old_logp + (math.log1p(-lam) if lam < 1 else -math.inf), rl_logp + math.log(lam))
@@ -409,6 +412,12 @@ def augmented_share(flags: list, augmented: list) -> float:
     return sum(int(f.sum()) for f, a in zip(flags, augmented) if a) / max(n, 1)
 
 
+def fingerprint(model) -> list[float]:
+    """The sum and the sum of squares of every weight of a model, in float64."""
+    return [sum(float(p.double().sum()) for p in model.parameters()),
+            sum(float(p.double().pow(2).sum()) for p in model.parameters())]
+
+
 class PriorWeights:
     """π_RL, frozen: no gradient ever reaches it. It must share the policy's vocabulary and tokenizer, or its
     probabilities would be of other tokens. On a CPU its weights are held only while it samples: `hold()` loads them
@@ -424,10 +433,15 @@ class PriorWeights:
         check(prior.cfg.vocab_size == model.cfg.vocab_size and prior_tok.tok.get_vocab(True) == tok.tok.get_vocab(True),
               "prior", f"a model with the policy's tokenizer and vocabulary ({cfg.prior} has others)")
         self.resident = prior if torch.device(device).type != "cpu" else None
-        # the sum and the sum of squares of every weight, in float64: a resumed run checks that its π_RL is the same
-        # (its --prior path may since hold another checkpoint)
-        self.fingerprint = [sum(float(p.double().sum()) for p in prior.parameters()),
-                            sum(float(p.double().pow(2).sum()) for p in prior.parameters())]
+        # the sum and the sum of squares of every weight, in float64, of the checkpoint's fp32 weights (not of a bf16
+        # copy: --dtype may change on resume): a resumed run checks that its π_RL is the same (its --prior path may
+        # since hold another checkpoint). Checkpoints before 2026-11-29 kept those of the run's dtype: also accepted
+        fp32 = prior if dtype == torch.float32 else Transformer.from_pretrained(self.path, device="cpu")
+        self.fingerprints = [fingerprint(fp32), fingerprint(prior)]
+
+    @property
+    def fingerprint(self) -> list[float]:
+        return self.fingerprints[0]
 
     def load(self):
         return Transformer.from_pretrained(self.path, device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -743,7 +757,8 @@ def main(argv=None):
         ref_model = Transformer.from_pretrained(cfg.model, device=device).eval().requires_grad_(False)
     priors = PriorWeights(cfg, model, tok, device, dtype)  # π_RL samples alongside the rollout copy, in its dtype
     was = state["extra"]["eapo"].get("prior_fingerprint") if state else None  # absent in checkpoints before 2026-11-28
-    check(was is None or all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(was, priors.fingerprint)), "prior",
+    same = lambda now: all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(was, now))  # noqa: E731
+    check(was is None or any(map(same, priors.fingerprints)), "prior",
           f"the π_RL of the run being resumed: {cfg.prior} now holds other weights")
     # With bf16 compute (or FSDP2) rollouts come from a whole copy of the weights in that dtype, refreshed after each
     # update (sampling is memory-bound: bf16 weights read half the bytes; FSDP2's sharded weights cannot sample);
@@ -791,7 +806,9 @@ def main(argv=None):
         t0 = time.time()
         problems = dist.shard(step_prompts(train, step, cfg.prompts_per_step, cfg.seed))
         contexts = [tok.prompt(format_question(p)) for p in problems]
-        seed = cfg.seed * 1_000_003 + step * 1009 + 3 * dist.rank()  # a rank draws from seed, seed + 1 and seed + 2
+        # a rank draws from seed, seed + 1 and seed + 2 (the policy, π_RL's mix, the ordinary call): so on one process
+        # the policy's draws are grpo.py's; under torchrun a rank > 0's are not (grpo.py's rank r uses seed + r)
+        seed = cfg.seed * 1_000_003 + step * 1009 + 3 * dist.rank()
         lam = injection_prob(step - 1, cfg.lam0, cfg.anneal_steps, cfg.schedule)  # k = step - 1: λ_0 at step 1
         aug_rows = augmented_rows(B, G, G_e) if lam > 0 else []
         mix = PriorMix(lam, tau, cfg.temperature, seed + 1, device)  # π_RL's tokens at critical points
@@ -866,8 +883,10 @@ def main(argv=None):
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
                   "policy/": stats["tokens"]}
         # EAPO's ratios: over augmented tokens (eligible_share: all tokens), its accuracies over their completions
+        # (λ and τ are the step's, the same on every rank: weight 1, so that they stay defined once λ = 0)
         counts.update({"eapo/": int(b_all.lengths[aug_all].sum()), "eapo/eligible_share": int(b_all.lengths.sum()),
-                       "eapo/acc_augmented": int(aug_all.sum()), "eapo/acc_ordinary": int((~aug_all).sum())})
+                       "eapo/acc_augmented": int(aug_all.sum()), "eapo/acc_ordinary": int((~aug_all).sum()),
+                       "eapo/lambda": 1, "eapo/tau": 1})
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=METRIC_SUMS + EAPO_SUMS,
                                           maxes=METRIC_MAXES + EAPO_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:

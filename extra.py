@@ -223,10 +223,10 @@ def check_context(model, tok, problems, cfg):
     limit = model.cfg.max_position_embeddings
     check(longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens) <= limit, "max_new_tokens/eval_max_new_tokens",
           f"at most {limit - longest}: the longest prompt has {longest} tokens and the model {limit} positions")
-    # ExTra: a guided prompt is a prompt ++ a prefix of one of its answers, cut to --max-prompt-len, then answered
-    guided = min(cfg.max_prompt_len, longest + cfg.max_new_tokens)
-    check(not cfg.regen or guided + cfg.max_new_tokens <= limit, "max_prompt_len/max_new_tokens",
-          f"a guided prompt ({guided} tokens at most) and its answer within the model's {limit} positions")
+    # ExTra: a guided prompt is a prompt ++ a prefix of one of its answers, cut to --max-prompt-len, then answered;
+    # a guided row that is itself hard is cut again (prompt ++ prefix ++ prefix ...), so only the cut bounds it
+    check(not cfg.regen or cfg.max_prompt_len + cfg.max_new_tokens <= limit, "max_prompt_len/max_new_tokens",
+          f"a guided prompt ({cfg.max_prompt_len} tokens at most) and its answer within the model's {limit} positions")
 
 
 # ----------------------------------------------------------------------------- rewards -> advantages
@@ -587,14 +587,13 @@ def newline_ids(tok) -> set[int]:
 
 
 def prefix_cuts(tokens: list[int], nl_ids: set[int], min_gap: int, max_cuts: int = 15) -> list[int]:
-    """Cut points b (prefix = tokens[:b]) right after line breaks, kept greedily at least min_gap tokens
-    apart, the last dropped when there are several (the answer follows it; little is left to explore),
-    then at most max_cuts spread evenly."""
-    cuts, last = [], 0  # our choice: the first cut also needs min_gap tokens before it
+    """Cut points b (prefix = tokens[:b]) right after line breaks: the first one, then each at least min_gap
+    tokens after the last kept (the authors' merge of close splits), the last dropped when there are several (the
+    answer follows it; little is left to explore), then at most max_cuts spread evenly."""
+    cuts = []
     for b in (i + 1 for i, t in enumerate(tokens) if t in nl_ids):
-        if b - last >= min_gap:
+        if not cuts or b - cuts[-1] >= min_gap:
             cuts.append(b)
-            last = b
     if len(cuts) > 1:
         cuts = cuts[:-1]
     if len(cuts) > max_cuts:

@@ -425,9 +425,17 @@ def test_1_lambda_0_step_equals_grpo(in_tmp, models, monkeypatch):
     """λ_0 = 0: the same rollouts (generated tokens), the same metrics and the same weights as grpo.py."""
     import grpo
 
+    from common import dist
+
     grpo_calls, eapo_calls = recording(monkeypatch, grpo), recording(monkeypatch, eapo)
     grpo.main(run_args(models, "--steps", "2", "--run-name", "g"))
+    reduced, reduce = [], dist.reduce_metrics
+    monkeypatch.setattr(dist, "reduce_metrics", lambda m, **kw: reduced.append(kw["weights"]) or reduce(m, **kw))
     eapo.main(run_args(models, "--steps", "2", "--run-name", "e", "--prior", str(models[1]), "--lam0", "0"))
+    # under torchrun: no augmented token on any rank leaves the ratios unmeasured (weight 0), while λ and τ, the
+    # step's own, keep weight 1 and stay defined (with the ratios' weight they were NaN once λ = 0)
+    assert [(dist._weight("eapo/injected_ratio", w), dist._weight("eapo/lambda", w), dist._weight("eapo/tau", w))
+            for w in reduced] == [(0, 1, 1)] * 2
     assert [t for t, _ in grpo_calls] == [t for t, _ in eapo_calls[-2:]]  # (the first eapo call calibrates τ)
     g, e = rows_of("g"), rows_of("e")
     assert any(r["optim/grad_norm"] > 0 for r in g.values())  # something was learnt
@@ -611,6 +619,9 @@ def test_resume_refuses_another_prior_or_schedule(in_tmp, models, capsys):
     eapo.main([*common[:-6], "--prior", str(models[1]) + "/", "--run-name", "r", "--tau", "0", "--steps", "2",
                "--resume"])
     assert sorted(rows_of("r")) == [1, 2]
+    # another --dtype (not fixed on resume) reads π_RL's weights in bf16: still the same prior
+    eapo.main([*common, "--steps", "3", "--resume", "--dtype", "bfloat16"])
+    assert sorted(rows_of("r")) == [1, 2, 3]
     # the same path holding another checkpoint: refused (the run would go on with another π_RL)
     prior_copy = str(shutil.copytree(models[1], in_tmp / "prior_copy"))
     moved = [*common[:-6], "--prior", prior_copy, "--run-name", "m", "--tau", "0"]
@@ -703,6 +714,16 @@ def test_without_prior_one_line_names_the_two_commands(in_tmp, models, capsys):
     code, err = run_cli(capsys, *run_args(models, "--run-name", "x"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "python grpo.py --run-name prior" in err and "python eapo.py --prior runs/prior/checkpoint" in err
+    assert not (in_tmp / "runs").exists()
+
+
+def test_omega_cap_outside_the_token_level_is_refused(in_tmp, models, capsys):
+    """--omega-cap truncates the per-token ω: with --is-level sequence (capped by --seq-cap) or none it would be
+    ignored, so it is one line naming it, before anything is written."""
+    for level in ("sequence", "none"):
+        code, err = run_cli(capsys, *run_args(models, "--prior", str(models[1]), "--run-name", "x", "--is-level", level,
+                                              "--omega-cap", "5"))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--omega-cap" in err, err
     assert not (in_tmp / "runs").exists()
 
 
