@@ -89,7 +89,7 @@ def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
     rows = [line for line in out.splitlines() if line.startswith("| grpo | ") or line.startswith("| eapo | ")]
     grpo_rows = [r for r in rows if r.startswith("| grpo | 1 |") or r.startswith("| grpo | 0 |")]
     assert len(grpo_rows) == 2 and all(" | 1.00 | " in r for r in grpo_rows), rows
-    assert "CPU flags:" in out and "| gain, lowest | wall / grpo, mean (highest) |" in out
+    assert "CPU flags:" in out and "| gain, lowest | gain - grpo.py's, paired: mean ± s.e. | wall / grpo, mean (highest) |" in out
     # the summary over seeds: eapo's lowest gain is the lower of its two runs' gains, its highest peak the higher
     for seed in ("1", "0"):  # the trained- and sampled-tokens columns: the run's sums, their ratios to grpo.py's
         row = next(r for r in rows if r.startswith(f"| eapo | {seed} |"))
