@@ -106,7 +106,7 @@ def summarise(run: Path, wall: float | None = None, rss_gb: float | None = None,
            "steps": len(steps), "wall_s": wall, "peak_rss_gb": rss_gb or max(r.get("perf/peak_rss_gb", 0) for r in steps),
            "step_split": {part: mean(f"perf/{part}_s") for part in ("sample", "score", "train")}, "gflops": gflops,
            "train_tokens": total("perf/train_fwd_tokens"), "sampled_tokens": total("perf/sampled_tokens"),
-           "phase_s": {part: total(f"perf/{part}_s") for part in ("sample", "score", "train")}}
+           "phase_s": {part: total(f"perf/{part}_s") for part in ("sample", "score", "train")}, "cpu_flags": flags}
     print(f"\nrun {run}" + (f"  (CPU flags: {flags})" if flags else ""))
     print("| what | value |\n|---|---|")
     print(f"| greedy accuracy, step {evals[0]['step']} -> step {evals[-1]['step']} | "
@@ -297,14 +297,19 @@ def pair_beside(results: list, predict_gflops: float):
     """--run: each run's base is the grpo.py run of its seed made beside it, in the same folder (read from there if
     it is not among the runs given), so that a ratio is always of two runs one after the other on one machine,
     however folders of different days are mixed; a grpo.py run is its own base. A folder with no grpo.py run of the
-    seed leaves the run to overview's rule (the last grpo.py run of the seed given)."""
+    seed: the last grpo.py run of the seed given that recorded the same CPU flags (not another processor's, whose
+    runs of a seed are other runs); with none, overview's rule (the last grpo.py run of the seed given)."""
     given = {Path(r["run"]).resolve(): r for _, _, r in results}
     for algo, seed, r in results:
         if algo == "grpo":
             r["base"] = r
             continue
         beside = sorted(p for p in Path(r["run"]).parent.glob(f"bench-grpo-s{seed}-*") if (p / "metrics.jsonl").is_file())
-        if beside:
+        same_cpu = [g for a, s, g in results if a == "grpo" and s == seed and r["cpu_flags"]
+                    and g["cpu_flags"] == r["cpu_flags"]]
+        if not beside and same_cpu:
+            r["base"] = same_cpu[-1]
+        elif beside:
             path = beside[-1].resolve()
             if path not in given:
                 with contextlib.redirect_stdout(io.StringIO()):  # its own table is not asked for

@@ -231,6 +231,28 @@ def test_run_takes_each_ratio_to_the_grpo_run_made_beside_it(tmp_path):
     assert "| grpo | 1 | " in out  # the grpo.py run read from b/ for its ratios is not a row of its own
 
 
+def test_run_without_grpo_beside_takes_the_same_cpus_grpo_run(tmp_path):
+    """--run, a folder with no grpo.py run of the seed (say, one file rerun after a fix): its ratios and its paired
+    gain are to the grpo.py run of the seed that recorded the same CPU flags, not to another processor's run that
+    happens to be given last."""
+    def fake(folder, algo, wall, after, flags):
+        run = tmp_path / folder / f"bench-{algo}-s0-20261129-000000"
+        run.mkdir(parents=True)
+        step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
+                "reward/mean": 0.5, "perf/train_fwd_tokens": 100, "perf/sampled_tokens": 100}
+        rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": after}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": flags}))
+        return run
+    rerun = fake("c", "extra", 600.0, 0.45, "amx_bf16 avx2")
+    same, other = fake("b", "grpo", 500.0, 0.40, "amx_bf16 avx2"), fake("a", "grpo", 400.0, 0.30, "avx2")
+    out = bench(tmp_path, "--run", str(rerun), str(same), str(other))
+    row = next(line.split(" | ") for line in out.splitlines() if line.startswith("| extra | 0 | "))
+    assert row[5] == "1.20", row  # 600 / 500, not 600 / 400
+    summary = next(line for line in out.splitlines() if line.startswith("| extra | 1 | "))
+    assert "| +5.0: undecided |" in summary, summary  # +20 against +15, not against +5
+
+
 def test_summary_gives_each_files_mean_and_worst_run(capsys):
     """The table over seeds: the mean gain and the lowest, the gain minus grpo.py's of the same seed (mean ± s.e.,
     with compare.py's verdict), the mean wall ratio and the highest, the highest peak RSS (a goal holds for every
