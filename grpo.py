@@ -205,7 +205,10 @@ def verify(b: Batch, tok, cfg):
 
 
 def varied_groups(rewards: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """[n_groups] bool: the groups whose rewards are not all equal, the only ones with a nonzero advantage."""
+    """[n_groups] bool: the groups whose rewards are not all equal, the only ones with a nonzero advantage. Our choice
+    for --dynamic-sampling: on the rewards the advantages see; DAPO's constraint (eq. 8: 0 < correct < G) and its
+    recipe filter on accuracy, which differs only with reward shaping (--overlong-buffer, --format-reward): a
+    group all correct whose lengths vary is kept here and trains on the length penalty."""
     group_max = torch.full((n_groups,), -math.inf).scatter_reduce(0, group, rewards, "amax")
     group_min = torch.full((n_groups,), math.inf).scatter_reduce(0, group, rewards, "amin")
     return group_max > group_min
@@ -216,7 +219,8 @@ def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: i
     from the mini-batch's totals, so micro-batches add up to exactly the big-batch gradient.
     n_loss [n]: loss tokens per completion; n_seqs / n_tokens: totals of the mini-batch.
     Returns w [n_loss.sum()], completion after completion."""
-    if agg == "token-mean":  # DAPO §3.3: every token counts the same
+    if agg == "token-mean":  # DAPO §3.3: every token counts the same. Over the whole mini-batch, as DAPO's released
+        # code does ("across all the tokens in all the sequences in a batch"); eq. 8 as printed normalises per group
         w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
         w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
