@@ -828,7 +828,8 @@ def main(argv=None):
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
-    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
+    # the streak of skipped optimizer steps goes on across a resume, as in an uninterrupted run
+    t_start, first_acc, skipped_in_a_row = time.time(), None, state["extra"].get("skipped_in_a_row", 0) if state else 0
     # ExGRPO's state: this rank's questions, their buffer, and whether the mixed phase has begun. our choice: a rank
     # owns the questions whose index is its rank mod world, so a question's buffer, label and retirement live on one rank
     check(len(train) >= dist.world(), "train_size", f"at least {dist.world()} questions, one or more for each process")
@@ -954,8 +955,9 @@ def main(argv=None):
                   "policy/": stats["tokens"]}
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=sums, maxes=METRIC_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:
-            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"exgrpo": dist.all_gather_list(
-                [{"buffer": exp.state_dict(), "stream": stream.state_dict(), "mixed": mixed}])})  # per rank, rank order
+            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"skipped_in_a_row": skipped_in_a_row,
+                                "exgrpo": dist.all_gather_list([{"buffer": exp.state_dict(), "stream": stream.state_dict(),
+                                                                  "mixed": mixed}])})  # per rank, rank order
         if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)
             optimizer.state.clear()  # need not be held through the last evaluation
         if step % cfg.eval_every == 0 or step == cfg.steps:

@@ -916,7 +916,8 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
-    t_start, first_acc, skipped_in_a_row = time.time(), None, 0
+    # the streak of skipped optimizer steps goes on across a resume, as in an uninterrupted run
+    t_start, first_acc, skipped_in_a_row = time.time(), None, state["extra"].get("skipped_in_a_row", 0) if state else 0
     if start_step == 0:
         with autocast:
             first = evaluate(rollout, tok, held_out, seed=cfg.seed, **eval_kw)
@@ -1007,7 +1008,8 @@ def main(argv=None):
                                       maxes=METRIC_MAXES + XRPO_MAXES)
         log.log(step, {**metrics, **xrpo_rates(metrics)})
         if step % cfg.save_every == 0 or step == cfg.steps:
-            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"xrpo_corpus": corpus.state_dict()})
+            checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"skipped_in_a_row": skipped_in_a_row,
+                                                                             "xrpo_corpus": corpus.state_dict()})
         if step == cfg.steps:  # saved, and no update follows: AdamW's two moments (twice the weights' memory)
             optimizer.state.clear()  # need not be held through the last evaluation
         if step % cfg.eval_every == 0 or step == cfg.steps:

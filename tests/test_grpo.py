@@ -541,6 +541,11 @@ def test_diverged_run_stops_and_keeps_the_checkpoint(tmp_path, digit_model_dir, 
     rows = [r for r in metrics(tmp_path, "nan") if "optim/skipped_steps" in r]
     assert [r["optim/skipped_steps"] for r in rows if r["step"] > 2][:1] == [1.0]
     assert (ckpt / "model.safetensors").read_bytes() == good  # the skipped steps changed no weight
+    # step 3's checkpoint holds the streak (1 skipped): resumed, step 4 is the second in a row, as it was before
+    # (a streak restarted at 0 would stop the run a step later, at step 5)
+    assert torch.load(ckpt / "trainer.pt", weights_only=False)["step"] == 3
+    with pytest.raises(RunError, match="step 4: 2 optimizer steps in a row"):
+        grpo.main([*argv, "--steps", "6", "--resume"])
 
 
 def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_last_one(tmp_path, digit_model_dir, monkeypatch):
