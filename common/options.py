@@ -9,6 +9,8 @@ The update multiplies a token's clipped surrogate by the factor, so a factor of 
 gradient (a KL or entropy term still acts on it) while the loss's denominators (token-mean, sequence-mean) stay
 those of the batch.
 """
+import math
+
 import torch
 
 from kernels.reference import sequence_mean
@@ -48,4 +50,14 @@ def high_entropy(entropy: torch.Tensor, keep: float) -> torch.Tensor:
     mini-batch rank the tokens, so the cut is the same whatever --micro-batch (the paper ranks the trainer's)."""
     if keep >= 1 or len(entropy) == 0:
         return torch.ones_like(entropy, dtype=torch.bool)
-    return entropy >= torch.quantile(entropy.float(), 1 - keep)
+    flat = entropy.float()
+    if len(flat) <= QUANTILE_MAX:
+        return entropy >= torch.quantile(flat, 1 - keep)
+    # torch.quantile refuses larger inputs (a rank's mini-batch of more than 16.7M loss tokens): the same cut, the
+    # linear interpolation between the two order statistics around (n - 1)(1 - keep)
+    pos = (len(flat) - 1) * (1 - keep)
+    low, high = (torch.kthvalue(flat, k + 1).values for k in (math.floor(pos), math.ceil(pos)))
+    return entropy >= torch.lerp(low, high, pos - math.floor(pos))
+
+
+QUANTILE_MAX = 2 ** 24  # the most elements torch.quantile takes

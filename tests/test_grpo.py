@@ -682,10 +682,18 @@ def test_offpolicy_sequence_mask_drops_drifted_negative_completions():
     assert options.token_mask(logp, logp, sampler, -torch.ones(4), seq, grpo.Config()) is None
 
 
-def test_high_entropy_keeps_the_top_fraction():
+def test_high_entropy_keeps_the_top_fraction(monkeypatch):
     entropy = torch.arange(1, 11) / 10  # 0.1 .. 1.0
     assert options.high_entropy(entropy, 0.2).nonzero()[:, 0].tolist() == [8, 9]
     assert options.high_entropy(entropy, 1.0).all()
+    # beyond torch.quantile's size limit the order statistics give the same cut (the limit lowered to reach that path)
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.rand(n, generator=g), keep) for n in (10, 37, 1000) for keep in (0.2, 0.5, 0.9)]
+    expected = [options.high_entropy(e, keep) for e, keep in cases]
+    monkeypatch.setattr(options, "QUANTILE_MAX", 5)
+    for (e, keep), mask in zip(cases, expected):
+        assert torch.equal(options.high_entropy(e, keep), mask), (len(e), keep)
+    assert options.high_entropy(entropy, 0.2).nonzero()[:, 0].tolist() == [8, 9]
 
 
 def with_entropies(b, seed=0):
