@@ -440,8 +440,9 @@ class PriorWeights:
         # the sum and the sum of squares of every weight, in float64, of the checkpoint's fp32 weights (not of a bf16
         # copy: --dtype may change on resume): a resumed run checks that its π_RL is the same (its --prior path may
         # since hold another checkpoint). Checkpoints before 2026-11-29 kept those of the run's dtype: also accepted
-        fp32 = prior if dtype == torch.float32 else Transformer.from_pretrained(self.path, device="cpu")
-        self.fingerprints = [fingerprint(fp32), fingerprint(prior)]
+        self.fingerprints = [fingerprint(prior)]
+        if dtype != torch.float32:
+            self.fingerprints.insert(0, fingerprint(Transformer.from_pretrained(self.path, device="cpu")))
 
     @property
     def fingerprint(self) -> list[float]:

@@ -305,11 +305,12 @@ def pair_beside(results: list, predict_gflops: float):
             r["base"] = r
             continue
         beside = sorted(p for p in Path(r["run"]).parent.glob(f"bench-grpo-s{seed}-*") if (p / "metrics.jsonl").is_file())
-        same_cpu = [g for a, s, g in results if a == "grpo" and s == seed and r["cpu_flags"]
-                    and g["cpu_flags"] == r["cpu_flags"]]
-        if not beside and same_cpu:
-            r["base"] = same_cpu[-1]
-        elif beside:
+        if not beside:
+            same_cpu = [g for a, s, g in results if a == "grpo" and s == seed and r["cpu_flags"]
+                        and g["cpu_flags"] == r["cpu_flags"]]
+            if same_cpu:
+                r["base"] = same_cpu[-1]
+        else:
             path = beside[-1].resolve()
             if path not in given:
                 with contextlib.redirect_stdout(io.StringIO()):  # its own table is not asked for
