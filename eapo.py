@@ -47,7 +47,7 @@ from common.logger import MetricsLog, check_tracker
 from common.memory import peak_rss_gb
 from common.model import Transformer, compute_dtype
 from common.optim import adamw
-from common.options import high_entropy, overlong_penalty, token_mask
+from common.options import high_entropy, overlong_penalty, quantile, token_mask
 from common.sampler import Companion, draw, generate, softmax_stats
 from common.tasks import format_question, load_task
 from common.tokenizer import Tokenizer
@@ -117,7 +117,7 @@ class Config:
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
     eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
-    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    eval_samples: int = 0  # completions per problem for pass@k / maj@k, at --temperature and --top-p (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
     tracker: str = "none"  # also log to tensorboard, wandb or trackio (an optional package: pip install it)
     # EAPO: experience from a prior RL policy π_RL
@@ -188,6 +188,8 @@ def validate(cfg: Config):
           "0 unless --is-level token (the sequence-level weight is capped by --seq-cap; none has no weight to cap)")
     # the policy's draw is the speculative draft: it must come from the whole softmax π_old
     check(cfg.top_p == 1 or cfg.lam0 == 0, "top_p", "1 (EAPO drafts from the untruncated policy)")
+    check(cfg.offpolicy_mask == 0 or cfg.lam0 == 0, "offpolicy_mask", "0 while π_RL injects tokens (its drift reads "
+          "the policy's sampler log-probs, not the mixture μ that drew the injected tokens)")
 
 
 def check_resume(cfg: Config, saved: dict):
@@ -360,11 +362,11 @@ def is_weights(old_logp, mu_logp, level: str = "token", cap: float = 0.0, seq_id
     return w.clamp(max=cap) if cap > 0 else w
 
 
-def calibrate_tau(entropies, quantile: float) -> float:
-    """τ as the `quantile` of the starting policy's token entropies, so that about 1 - quantile of the tokens
+def calibrate_tau(entropies, level: float) -> float:
+    """τ as the `level` quantile of the starting policy's token entropies, so that about 1 - level of the tokens
     are critical at the start. our choice: the paper sweeps τ (Fig. 2) but its values are for other models;
     a quantile carries over to any model and task."""
-    return float(torch.quantile(entropies.double(), quantile))
+    return float(quantile(entropies.double(), level))
 
 
 class PriorMix:
@@ -787,7 +789,7 @@ def main(argv=None):
     # completion, so G_e sets EAPO's extra sampling work (eapo/prior_tokens): a quarter of the policy's rows for the
     # first T steps (a half would double it); the other completions are every group's on-policy anchor
     G_e = max(1, G // 4) if cfg.augmented < 0 else cfg.augmented
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     # the streak of skipped optimizer steps goes on across a resume, as in an uninterrupted run
     t_start, first_acc, skipped_in_a_row = time.time(), None, state["extra"].get("skipped_in_a_row", 0) if state else 0

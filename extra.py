@@ -129,7 +129,7 @@ class Config:
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
     eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
-    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    eval_samples: int = 0  # completions per problem for pass@k / maj@k, at --temperature and --top-p (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
     tracker: str = "none"  # also log to tensorboard, wandb or trackio (an optional package: pip install it)
     # ExTra (i): novelty bonus, §3.1
@@ -808,7 +808,7 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     centre = statement_centre(load_encoder(cfg.model, device), train, tok, autocast) if cfg.novelty or cfg.regen else None
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     # the streak of skipped optimizer steps goes on across a resume, as in an uninterrupted run
     t_start, first_acc, skipped_in_a_row = time.time(), None, state["extra"].get("skipped_in_a_row", 0) if state else 0

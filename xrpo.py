@@ -96,7 +96,7 @@ class Config:
     # proportional: T·Π/ΣΠ, largest remainder; greedy: one unit at a time to the highest Π (eq. 3); uniform: T/B each,
     # the "w/o HRP" ablation (§4.3, Fig. 3b), which keeps the rounds, so ICL still seeds and AS still sharpens
     alloc: str = "proportional"
-    alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (Table 4b)
+    alloc_lambda: float = 0.1  # λ: weight of the exploration bonus φ in Π (§4.1 gives none; Table 4b's default row)
     alloc_conf: float = 0.95  # confidence level of the t-interval behind Δ (our reading of Table 4b's "α" column)
     # ICL seeding (XRPO §3.2, App. C); --no-icl is the "w/o ICL" ablation (Table 5)
     icl: bool = True  # sample a prompt with no correct rollout yet from an in-context prompt of solved neighbours
@@ -153,7 +153,7 @@ class Config:
     # evaluation and checkpoints
     eval_every: int = 15  # evaluate every N steps (and before step 1 and after the last)
     eval_size: int = 300  # held-out problems per evaluation (300: one accuracy near 0.3 carries about ±2.6 points of noise)
-    eval_samples: int = 0  # sampled completions per problem for pass@k / maj@k (0 = greedy only)
+    eval_samples: int = 0  # completions per problem for pass@k / maj@k, at --temperature and --top-p (0 = greedy only)
     save_every: int = 15  # checkpoint every N steps (and after the last)
     tracker: str = "none"  # also log to tensorboard, wandb or trackio (an optional package: pip install it)
 
@@ -442,7 +442,9 @@ def round_contexts(tok, problems: list[str], plain: list[list[int]], correct: li
                    corpus, k: int, max_len: int, icl: bool = True) -> list[tuple[list[int], bool]]:
     """Each prompt's context for this round's rollouts and whether it is an in-context one (Alg. 1 lines 11-13):
     a prompt none of whose rollouts so far is correct is seeded with up to k solved neighbours; otherwise, or when
-    nothing can be retrieved or nothing fits, the plain prompt (zero-shot fallback, App. C)."""
+    nothing can be retrieved or nothing fits, the plain prompt (zero-shot fallback, App. C). Our choice where the
+    paper differs with itself: App. C seeds a prompt that failed its base rollouts for all its remaining budget,
+    Alg. 1 checks the rollouts so far in each round; we follow Alg. 1 (the two agree with one round, the default)."""
     out = []
     for q, problem in enumerate(problems):
         ids = None
@@ -488,7 +490,9 @@ class Corpus:
 
     def neighbours(self, problem: str, k: int) -> list[str]:
         """The k most similar (cosine) other problems with a stored solution. The problem itself and identical
-        statements are excluded (our choice: ICL transfers across problems, §3.2; replay is a different method)."""
+        statements are excluded (our choice: ICL transfers across problems, §3.2; replay is a different method).
+        Our choice: no similarity floor. App. C falls back to the plain prompt when no "suitable" example exists
+        without defining suitable; we read it as none stored, and App. F finds even random exemplars help."""
         cands = [p for p in self.solutions if p != problem and self.solutions[p]]
         if not cands or k <= 0 or problem not in self.vectors:
             return []
@@ -553,7 +557,11 @@ def sharpen(adv, correct, seq_logp, group, lam_nov: float, kappa: float, all_cor
     """A⁺ (eq. 6) for every rollout, and the bonus added. adv, correct, seq_logp (s, eq. 4), group: [N] (group id).
 
     η_i = exp(s_i - s̄) with s̄ the mean s of ALL rollouts of i's group, right and wrong, plain and in-context, each in
-    its own context (eq. 5's N rollouts read as the group's: §3.3 calls η relative to the group). Only correct
+    its own context (eq. 5's N rollouts read as the group's: §3.3 calls η relative to the group). Our choice, since
+    the paper does not say which context scores an ICL rollout: its own, the one it trains in. Exemplars tend to
+    raise an ICL rollout's log-probs, so in a seeded group its correct rollouts (all ICL ones with one round) sit
+    above s̄ more often and gain less. s is at the sampling temperature, as the trainer's π_old is (eq. 4 writes
+    π_θ; the paper samples at T = 1, where the two agree). Only correct
     rollouts get min(max(λ_nov (1 - η_i), 0), κ A_i). Taken literally, an all-correct group (A = 0) gets no bonus;
     all_correct_cap (our option) caps those at κ instead, for the paper's remark that degenerate groups gain signal
     (§3.3)."""
@@ -914,7 +922,7 @@ def main(argv=None):
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None, total_steps=cfg.steps,
                      tracker=cfg.tracker, config=asdict(cfg), run_name=cfg.run_name)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature,
+    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
     # the streak of skipped optimizer steps goes on across a resume, as in an uninterrupted run
     t_start, first_acc, skipped_in_a_row = time.time(), None, state["extra"].get("skipped_in_a_row", 0) if state else 0

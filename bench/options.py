@@ -66,7 +66,7 @@ def main():
     args = parser.parse_args()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     print(f"CPU flags: {cpu_flags()}; {args.steps} steps per run, {args.eval_size} held-out problems", flush=True)
-    print(f"| option | flags | metric | mean | per step | s/step |\n|---|---|---|---|---|---|", flush=True)
+    print("| option | flags | metric | mean | per step | s/step |\n|---|---|---|---|---|---|", flush=True)
     for name in args.only or OPTIONS:
         flags, metric, _ = OPTIONS[name]
         out = run(name, flags, args.steps, args.eval_size, rest)

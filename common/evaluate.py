@@ -30,10 +30,11 @@ def evaluation_lost(log, step: int, cfg) -> bool:
 
 @torch.no_grad()
 def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=256, batch=150, seed=0,
-             sample_batch=64) -> dict:
+             sample_batch=64, top_p=1.0) -> dict:
     """Greedy accuracy on `problems`, `batch` problems per generate call; with samples=n > 0 also pass@k for
-    k = 1, 2, 4, ... n and maj@n, `sample_batch` problems (x n completions) per call; and the seconds it took
-    (perf/eval_s). The sampled completions are seeded per call: the same sample_batch, the same samples."""
+    k = 1, 2, 4, ... n and maj@n over completions sampled at `temperature` and `top_p`, `sample_batch` problems
+    (x n completions) per call; and the seconds it took (perf/eval_s). The sampled completions are seeded per
+    call: the same sample_batch, the same samples."""
     was_training = model.training
     model.eval()
     t0 = time.time()
@@ -50,7 +51,7 @@ def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=25
         totals[0] += sum(score(tok.decode(g[0].tokens, skip_special=True), mine[j].answer) for g, j in zip(greedy, idx))
     for i in range(0, len(mine) if samples else 0, sample_batch):
         sampled = generate(model, prompts[i:i + sample_batch], n=samples, max_new_tokens=max_new_tokens,
-                           temperature=temperature, stop_ids=tok.stop_ids, seed=seed + i)
+                           temperature=temperature, top_p=top_p, stop_ids=tok.stop_ids, seed=seed + i)
         for group, p in zip(sampled, mine[i:i + sample_batch]):
             texts = [tok.decode(s.tokens, skip_special=True) for s in group]
             correct = sum(score(t, p.answer) for t in texts)
@@ -76,6 +77,7 @@ class Config:
     limit: int = 0  # evaluate only the first N problems (0 = all)
     samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
     temperature: float = 1.0  # sampling temperature for pass@k / maj@k
+    top_p: float = 1.0  # nucleus sampling for pass@k / maj@k (1 = off)
     max_new_tokens: int = 256  # generation budget per completion
     # 150: a default run's 300 held-out problems in two calls; a larger batch decodes faster per problem on a CPU, for
     # a KV cache of ~6 MB per prompt (0.9 GB at 150; measured in docs/benchmarks.md)
@@ -89,6 +91,7 @@ def main():
     cfg = parse(Config)
     check(cfg.limit >= 0 and cfg.samples >= 0 and cfg.batch > 0 and cfg.sample_batch > 0, "limit/samples/batch",
           "non-negative numbers, batch and sample_batch > 0")
+    check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
     problems = load_task(cfg.data, cfg.split, n=cfg.limit or None, seed=cfg.seed)
     problems = problems[: cfg.limit] if cfg.limit else problems
     device = dist.resolve_device(cfg.device)
@@ -97,7 +100,7 @@ def main():
     tok = Tokenizer.from_pretrained(cfg.model)
     t0 = time.time()
     res = evaluate(model, tok, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens, cfg.batch, cfg.seed,
-                   cfg.sample_batch)
+                   cfg.sample_batch, cfg.top_p)
     print(f"{cfg.model} on {cfg.data}/{cfg.split} ({len(problems)} problems, {time.time() - t0:.0f}s): "
           + "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in res.items() if k.startswith("eval/")))
 

@@ -50,14 +50,18 @@ def high_entropy(entropy: torch.Tensor, keep: float) -> torch.Tensor:
     mini-batch rank the tokens, so the cut is the same whatever --micro-batch (the paper ranks the trainer's)."""
     if keep >= 1 or len(entropy) == 0:
         return torch.ones_like(entropy, dtype=torch.bool)
-    flat = entropy.float()
-    if len(flat) <= QUANTILE_MAX:
-        return entropy >= torch.quantile(flat, 1 - keep)
-    # torch.quantile refuses larger inputs (a rank's mini-batch of more than 16.7M loss tokens): the same cut, the
-    # linear interpolation between the two order statistics around (n - 1)(1 - keep)
-    pos = (len(flat) - 1) * (1 - keep)
-    low, high = (torch.kthvalue(flat, k + 1).values for k in (math.floor(pos), math.ceil(pos)))
-    return entropy >= torch.lerp(low, high, pos - math.floor(pos))
+    return entropy >= quantile(entropy.float(), 1 - keep)
+
+
+def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(x, q) of a 1-D tensor (linear interpolation) at any length. torch.quantile refuses more than
+    2^24 elements (a rank's mini-batch of 16.7M loss tokens, a paper-scale step's entropies); beyond that, the same
+    value from the two order statistics around (n - 1) q."""
+    if len(x) <= QUANTILE_MAX:
+        return torch.quantile(x, q)
+    pos = (len(x) - 1) * q
+    low, high = (torch.kthvalue(x, k + 1).values for k in (math.floor(pos), math.ceil(pos)))
+    return torch.lerp(low, high, pos - math.floor(pos))
 
 
 QUANTILE_MAX = 2 ** 24  # the most elements torch.quantile takes

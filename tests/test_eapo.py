@@ -285,6 +285,16 @@ def test_tau_quantile_makes_that_share_of_tokens_critical():
     assert (ent > tau).float().mean().item() == pytest.approx(0.1, abs=0.002)
 
 
+def test_tau_calibration_takes_more_entropies_than_torch_quantile_does(monkeypatch):
+    """A paper-scale first step has more token entropies than torch.quantile's 2^24: the same τ from the order
+    statistics (the limit lowered here to reach that path)."""
+    import common.options
+    ent = torch.rand(1001, generator=torch.Generator().manual_seed(1)) * 3
+    expected = [eapo.calibrate_tau(ent, q) for q in (0.5, 0.9, 0.95)]
+    monkeypatch.setattr(common.options, "QUANTILE_MAX", 100)
+    assert [eapo.calibrate_tau(ent, q) for q in (0.5, 0.9, 0.95)] == pytest.approx(expected, rel=1e-12)
+
+
 # ---------------------------------------------------------------- the mix inside the sampler (1, 8, 10)
 
 @pytest.fixture(scope="module")
@@ -726,6 +736,15 @@ def test_omega_cap_outside_the_token_level_is_refused(in_tmp, models, capsys):
         assert code == 2 and len(err.strip().splitlines()) == 1 and "--omega-cap" in err, err
     assert not (in_tmp / "runs").exists()
 
+
+
+def test_offpolicy_mask_while_injecting_is_refused(in_tmp, models, capsys):
+    """DeepSeek-V3.2's drift mask reads the policy's sampler log-probs, which are not the μ of the injected tokens:
+    with λ0 > 0 it is one line naming it; with λ0 = 0 (grpo.py's step) it is taken."""
+    code, err = run_cli(capsys, *run_args(models, "--prior", str(models[1]), "--run-name", "x", "--offpolicy-mask", "0.1"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--offpolicy-mask" in err, err
+    assert not (in_tmp / "runs").exists()
+    eapo.validate(eapo.Config(prior=str(models[1]), lam0=0.0, offpolicy_mask=0.1))
 
 def test_prior_with_another_tokenizer_is_refused(in_tmp, models, capsys):
     import json

@@ -623,6 +623,24 @@ def test_evaluations_decode_the_eval_budget_after_the_checkpoint(tmp_path, digit
         assert seen == [(budget, False), (budget, True)], (name, seen)
 
 
+
+def test_sampled_evaluation_samples_at_the_runs_top_p(tmp_path, digit_model_dir, monkeypatch):
+    """pass@k / maj@k are measured at the run's sampling settings: --top-p reaches evaluate's sampled generate
+    calls (and not its greedy ones)."""
+    import common.evaluate
+    monkeypatch.chdir(tmp_path)
+    real, calls = common.evaluate.generate, []
+
+    def spy(*a, **k):
+        calls.append((k["temperature"], k.get("top_p", 1.0)))
+        return real(*a, **k)
+
+    monkeypatch.setattr(common.evaluate, "generate", spy)
+    grpo.main([*digit_run(digit_model_dir, tmp_path), "--steps", "1", "--run-name", "tp", "--top-p", "0.9",
+               "--eval-samples", "2", "--temperature", "0.7"])
+    assert {c for c in calls if c[0] == 0.0} == {(0.0, 1.0)}, calls  # greedy: no nucleus
+    assert {c for c in calls if c[0] != 0.0} == {(0.7, 0.9)}, calls  # sampled: the run's temperature and top-p
+
 # ------------------------------------------------------------------- the GRPO-family options (docs/grpo.md)
 
 def test_overlong_penalty_is_dapo_eq13():
@@ -690,10 +708,13 @@ def test_high_entropy_keeps_the_top_fraction(monkeypatch):
     g = torch.Generator().manual_seed(0)
     cases = [(torch.rand(n, generator=g), keep) for n in (10, 37, 1000) for keep in (0.2, 0.5, 0.9)]
     expected = [options.high_entropy(e, keep) for e, keep in cases]
+    quantiles = [torch.quantile(e.double(), q) for e, _ in cases for q in (0.0, 0.1, 0.9, 1.0)]
     monkeypatch.setattr(options, "QUANTILE_MAX", 5)
     for (e, keep), mask in zip(cases, expected):
         assert torch.equal(options.high_entropy(e, keep), mask), (len(e), keep)
     assert options.high_entropy(entropy, 0.2).nonzero()[:, 0].tolist() == [8, 9]
+    got = [options.quantile(e.double(), q) for e, _ in cases for q in (0.0, 0.1, 0.9, 1.0)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(quantiles), rtol=1e-12, atol=1e-12)
 
 
 def with_entropies(b, seed=0):
