@@ -7,7 +7,8 @@ successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
     torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task openr1_math.jsonl --train-size 0 \
         --prompts-per-step 128 --mini-batches 2 --max-new-tokens 8192 --temperature 1.0 --start-acc 0.35 \
         --adv-norm none --loss-agg seq-mean-token-sum-norm --eps-high 0.2 --entropy-coef 0.001 --skip-grad-norm 500 \
-        --lr 1e-6 --warmup-steps 0 --decay-steps 0 --weight-decay 0.01 --adam-beta2 0.999 --steps 700 --fsdp
+        --lr 1e-6 --warmup-steps 0 --decay-steps 0 --weight-decay 0.01 --adam-beta2 0.999 --max-stored 0 --steps 700 \
+        --fsdp
                                                      # the paper's setting (§5.1, App. D, Table 4)
 
 One step (ExGRPO §4, Alg. 1): once the batch accuracy has passed a threshold (the delayed start; from the next step
@@ -115,7 +116,7 @@ class Config:
     # which stored trajectory of a drawn question replays: lowest-entropy (the paper's), highest-entropy or random
     # (Table 6 "highest-entropy trajectory" and "w/o trajectory selection")
     trajectory_choice: str = "lowest-entropy"
-    trajectory_score: str = "mean"  # the entropy of a trajectory: the mean (or sum) of its token entropies at T = 1
+    trajectory_score: str = "mean"  # a trajectory's entropy: the mean (or sum) of its token entropies at --temperature
     # our choice (the paper never prunes): each draw scores every stored trajectory of the question under the current
     # policy, and a 64-question pool seen ~4 times stores ~8 a question, so that pass cost a step 5-10 s on a CPU
     max_stored: int = 4  # trajectories kept per question, the most recent (0 = all, the paper's)
@@ -448,10 +449,14 @@ def step_questions(exp: Experience, fresh: list, n: int, weights, gen: torch.Gen
 # ----------------------------------------------------------------------------- ExGRPO: which trajectory to replay
 
 def select_trajectories(model, exp: Experience, qids: list, contexts: list, micro_batch, pad_id, device, autocast,
-                        how: str = "mean", choice: str = "lowest-entropy", gen=None) -> list[Trajectory]:
-    """For each drawn question, o* = its stored trajectory of lowest mean token entropy under the current policy at
-    T = 1, H̄(o) = (1/|o|) Σ_t H(π_θ(·|q, o_<t)) over the completion tokens (ExGRPO §3.2, §4.1), recomputed each
-    time the question is drawn. how="sum": Σ_t H (no length division). contexts[j]: question qids[j]'s prompt.
+                        how: str = "mean", choice: str = "lowest-entropy", gen=None, temperature: float = 1.0
+                        ) -> list[Trajectory]:
+    """For each drawn question, o* = its stored trajectory of lowest mean token entropy under the current policy,
+    H̄(o) = (1/|o|) Σ_t H(π_θ(·|q, o_<t)) over the completion tokens (ExGRPO §3.2, §4.1), recomputed each time the
+    question is drawn; at the sampling `temperature`, as the authors' code computes it (verl divides the logits by
+    the rollout temperature; §3.2 does not say). how="sum": Σ_t H (no length division). contexts[j]: question
+    qids[j]'s prompt. model: our choice, the sampling copy (the trainer itself in fp32 on one process; the authors
+    score with the trainer): a bf16 copy may order near-ties otherwise.
     choice: highest-entropy takes the largest H̄ instead; random one stored trajectory uniformly (with gen), with no
     forward (ExGRPO Table 6)."""
     if choice == "random":
@@ -463,7 +468,7 @@ def select_trajectories(model, exp: Experience, qids: list, contexts: list, micr
               group=torch.arange(len(cands)), skip=torch.zeros(len(cands), dtype=torch.long),
               sampler_logp=torch.cat([t.logp for _, t in cands]), finished=torch.ones(len(cands), dtype=torch.bool),
               answer=[None] * len(cands))
-    _, entropy = trainer_logprobs(model, b, micro_batch, 1.0, pad_id, device, autocast)
+    _, entropy = trainer_logprobs(model, b, micro_batch, temperature, pad_id, device, autocast)
     # our choice: §3.2's mean over the completion's own tokens (Alg. 1 writes a mean NLL, the authors' code averages
     # summed entropies over a mask that does not line up with the completion)
     scores = [h.mean() if how == "mean" else h.sum() for h in entropy.split(b.lengths.tolist())]
@@ -522,6 +527,9 @@ class QuestionStream:
         self.epoch, self.order, self.pos = -1, [], 0
 
     def next(self, retired: set) -> list[int]:
+        """The step's B fresh questions. Our choice: a batch runs on across an epoch's end into the next epoch's
+        order, as grpo.py's draw does (the authors' loader drops the last partial batch): once retirement leaves an
+        active set that B does not divide, a step may hold one question twice."""
         out = []
         while len(out) < self.B:
             if self.pos == len(self.order):
@@ -865,7 +873,8 @@ def main(argv=None):
         # (the choice's forward over stored trajectories is timed with the sampling, perf/sample_s)
         replayed = select_trajectories(rollout, exp, [q for q, r in zip(qids, replay) if r],
                                        [c for c, r in zip(contexts, replay) if r], cfg.micro_batch, tok.pad_id, device,
-                                       autocast, cfg.trajectory_score, cfg.trajectory_choice, gen)
+                                       autocast, cfg.trajectory_score, cfg.trajectory_choice, gen,
+                                       temperature=cfg.temperature)
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=[G - r for r in replay], max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids,

@@ -137,7 +137,9 @@ class Config:
     novelty_mode: str = "after"  # after: α·d joins the advantage after normalisation (paper); before: the reward
     alpha: float = 0.1  # α: bonus per unit of cosine distance
     novelty_lambda: float = 1.0  # λ: "before" mode damps the bonus by exp(-λ·v̄), v̄ = EMA of the prompt's reward variance
-    memory_size: int = 16  # H: rollout embeddings remembered per prompt (at least group_size, or novelty never starts)
+    # H: rollout embeddings remembered per prompt, at least group_size or novelty never starts (the authors' released
+    # recipe: 2G = 16; their paper runs: G = 6)
+    memory_size: int = 16
     tail_tokens: int = 512  # a rollout is embedded from its last this many tokens ...
     embed_tokens: int = 256  # ... of which the first this many (their encoder reads at most 256 word pieces)
     # ExTra (ii): entropy-guided prefix regeneration, §3.2
@@ -150,6 +152,8 @@ class Config:
     prefix_memory: int = 128  # prefixes remembered per prompt
     tau: float = 0.1  # τ: temperature of the similarity smoothing of prefix scores; 0 = no smoothing (raw MTE)
     cuttable_only: bool = True  # cut the most confident rollout that has a line break (ExTra: the most confident)
+    # clamp a guided row's advantages at 0: the authors' code after the paper (for their 8B runs), not in its results
+    guided_positive_only: bool = False
     max_prompt_len: int = 2048  # guided prompts (prompt ++ prefix) are cut to this many tokens, head kept
 
     choices = {"adv_norm": ["std", "none"], "loss_agg": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
@@ -541,6 +545,13 @@ def remember(memory: torch.Tensor, group_emb: torch.Tensor, H: int) -> torch.Ten
     return torch.cat([memory, group_emb])[-H:]
 
 
+def positive_on_guided(adv, group, guided):
+    """A guided row's completions keep their positive advantages and lose their negative ones (the authors' code
+    after the paper, commit 0e97a40: failed continuations of an off-distribution prefix pushed their 8B policy away
+    from what it still writes at evaluation). adv, group [N]; guided [B] bool, by group id."""
+    return torch.where(guided[group], adv.clamp(min=0), adv)
+
+
 def bonus_after_norm(adv, correct, d, alpha):
     """Option B (ExTra abstract: the bonus comes 'after GRPO normalization'): correct rollouts get α·d on top
     of their advantage, so an all-correct group (A = 0) still prefers its unusual answers. Shapes [N]."""
@@ -831,15 +842,10 @@ def main(argv=None):
         regen_on = cfg.regen and step > cfg.regen_warmup
         contexts, answers, guided, extra_state["queue"] = inject(
             contexts, [p.answer for p in problems], extra_state["queue"], cfg.regen_rows if regen_on else 0)
-        # ExTra §3.2 scores rollouts and prefixes by their mean token entropy, at T = 1 in the authors' code: the
-        # sampler records those entropies (our choice: from the rollout itself, the sampling copy's distribution at
-        # each token, not a second pass)
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank(),
-                              entropy_at=1.0 if regen_on else None)
+                              top_p=cfg.top_p, stop_ids=tok.stop_ids, seed=cfg.seed * 1_000_003 + step * 1009 + dist.rank())
         b = to_batch(contexts, groups, answers, group_ids=range(B))
-        entropy_t1 = [s.extras["entropy_at"] for g in groups for s in g] if regen_on else None  # [N] of [len]
         t_sample = time.time()
 
         # ---- 2. rewards; DAPO's dynamic sampling drops groups whose advantages are all 0 (equal rewards and no bonus)
@@ -874,11 +880,15 @@ def main(argv=None):
         hard = is_hard(correct.view(B, G))  # [B]
         items, stored = [], 0
         if regen_on and hard.any():
-            rows = []  # (context, answer, its G rollouts' tokens, their entropies at T = 1) per hard row
+            # ExTra §3.2 scores rollouts and prefixes by their mean token entropy: in the authors' code π_θold's at
+            # the rollout temperature (verl divides the logits by it). Our choice: the sampler's own entropies of each
+            # token, the sampling copy's distribution, so no second pass
+            entropies = [s.entropies for g in groups for s in g]  # [N] of [len]
+            rows = []  # (context, answer, its G rollouts' tokens, their entropies) per hard row
             for r in hard.nonzero()[:, 0].tolist():
                 members = (b_all.group == r).nonzero()[:, 0].tolist()
                 rows.append((contexts[r], answers[r], [b_all.tokens[i] for i in members],
-                             [entropy_t1[i] for i in members]))
+                             [entropies[i] for i in members]))
             items, stored = regenerate(extra_state, rows, lambda s: embed_texts(encoder, s, centre, tok.pad_id, autocast),
                                        nl_ids, cfg)
             extra_state["queue"] = push_queue(extra_state["queue"], items, cfg.queue_size)
@@ -892,6 +902,8 @@ def main(argv=None):
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
         if cfg.novelty and cfg.novelty_mode == "after":  # Option B (ExTra's abstract: after GRPO normalization)
             adv = bonus_after_norm(adv, correct[keep], d[keep], cfg.alpha)
+        if cfg.guided_positive_only:
+            adv = positive_on_guided(adv, b.group, guided)
 
         # ---- 5. update: μ epochs x M mini-batches of clipped policy-gradient steps, then refresh the sampler
         for param_group in optimizer.param_groups:  # this step's rate: warm-up, constant, then decay (lr_factor)

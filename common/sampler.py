@@ -238,7 +238,7 @@ def _compile(fn, **kw):
 
 def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=None,
              seed=None, *, prefixes=None, companion=None, return_hidden=False, check_every=8, compile=False,
-             prompt_kv=None, entropy_at=None):
+             prompt_kv=None):
     """Sample completions: returns one list per prompt of its Sample's (prompt-major, n[i] of them).
 
     prompts: list of token-id lists. n: int, or one int per prompt (0 gives an empty list).
@@ -258,14 +258,10 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     prompt_kv: a dict the caller keeps across calls while the weights stay the same: each prompt's keys and values
       are stored there after its prefill and copied from there instead of prefilled again (a prompt sampled in
       several calls, as XRPO's rounds do). A prompt's keys and values do not depend on its batch's padding.
-    entropy_at: a second temperature: each sample's .extras["entropy_at"] [len(tokens)] is the entropy of
-      softmax(logits / entropy_at) at each token, alongside those at `temperature` (ExTra's T = 1 entropies from
-      the rollout itself, with no second pass over it).
     """
     ns, pre = _check_args(model, prompts, n, prefixes, max_new_tokens, temperature, top_p, top_k)
-    if check_every < 1 or entropy_at is not None and entropy_at <= 0:
-        raise ValueError("generate: expected check_every >= 1 and entropy_at None or > 0, "
-                         f"got {check_every}, {entropy_at}")
+    if check_every < 1:
+        raise ValueError(f"generate: expected check_every >= 1, got {check_every}")
     if stop_ids is None:
         eos = model.cfg.extra.get("eos_token_id")
         stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -307,7 +303,6 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
         pre_h = h[:, :L][is_pre]  # [N, d]
         pre_logits, pre_targets = model.lm_head(pre_h), seg[:, 1:][is_pre]
         pre_logp, pre_ent = logprobs_entropy(pre_logits, pre_targets, temperature or 1.0)
-        pre_x = {} if entropy_at is None else {"entropy_at": logprobs_entropy(pre_logits, pre_targets, entropy_at)[1]}
         pre_logits = None
 
         follower = None if companion is None else _Follower(companion, S, steps, dev)
@@ -319,7 +314,6 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
         out_tok = torch.full((S, steps), -1, dtype=torch.long, device=dev)
         out_logp = torch.zeros(S, steps, device=dev)
         out_ent = torch.zeros(S, steps, device=dev)
-        out_ent_at = None if entropy_at is None else torch.zeros(S, steps, device=dev)
         out_h = torch.zeros(S, steps, h.shape[-1], device=dev) if return_hidden else None
         stops = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
         done = torch.zeros(S, dtype=torch.bool, device=dev)
@@ -341,8 +335,6 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
             out_tok[rows, t] = tok
             out_logp[rows, t] = logp_all.gather(-1, tok[:, None])[:, 0]
             out_ent[rows, t] = ent
-            if out_ent_at is not None:
-                out_ent_at[rows, t] = ent if entropy_at == (temperature or 1.0) else softmax_stats(logits, entropy_at)[2]
             if return_hidden:
                 out_h[rows, t] = h.float()
             done |= torch.isin(tok, stops)
@@ -373,15 +365,13 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
             pos, col = pos + 1, col + 1
 
     extras = {} if follower is None else follower.out
-    if out_ent_at is not None:
-        extras["entropy_at"] = out_ent_at
     cache = h = logits = logp_all = probs = follower = None  # dropped here, not when generate returns
     release_free_memory()  # and the caches' and the step temporaries' pages before the trainer runs
     # outside inference mode, so that the returned tensors can enter autograd code (as old log-probs)
     return _collect(ns, pre, out_tok.clone(), out_logp.clone(), out_ent.clone(), pre_logp.clone(),
                     pre_ent.clone(), stops.cpu(), out_h.clone() if return_hidden else None,
                     pre_h.float().clone() if return_hidden else None, return_hidden,
-                    {k: v.clone() for k, v in extras.items()}, {k: v.clone() for k, v in pre_x.items()})
+                    {k: v.clone() for k, v in extras.items()})
 
 
 class _Follower:
@@ -444,13 +434,11 @@ class _Follower:
             self.h = decode_step(self.c.model, tok[at], pos[at], self.cache, col, self.mask if self.padded else None)
 
 
-def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_h, pre_h, return_hidden, out_x,
-             pre_x):
-    """Cut each sample at its first stop token and prepend its prefix: the per-prompt lists of Sample. out_x, pre_x:
-    per-token extras of the generated tokens [S, steps] and of the prefixes (flat; zeros where not given)."""
+def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_h, pre_h, return_hidden, out_x):
+    """Cut each sample at its first stop token and prepend its prefix: the per-prompt lists of Sample. out_x:
+    per-token extras of the generated tokens [S, steps] (zeros on the prefix tokens)."""
     out_tok, out_logp, out_ent = out_tok.cpu(), out_logp.cpu(), out_ent.cpu()
     out_x = {k: v.cpu() for k, v in out_x.items()}
-    pre_x = {k: v.cpu().split([len(p) for p in pre]) for k, v in pre_x.items()}
     pre_logp, pre_ent = pre_logp.cpu().split([len(p) for p in pre]), pre_ent.cpu().split([len(p) for p in pre])
     if return_hidden:
         out_h, pre_h = out_h.cpu(), pre_h.cpu().split([len(p) for p in pre])
@@ -464,8 +452,7 @@ def _collect(ns, pre, out_tok, out_logp, out_ent, pre_logp, pre_ent, stops, out_
             m = first[s]
             sample = Sample(tokens=pre[s] + out_tok[s, :m].tolist(), logprobs=torch.cat((pre_logp[s], out_logp[s, :m])),
                             entropies=torch.cat((pre_ent[s], out_ent[s, :m])), finished=finished[s], prefix_len=len(pre[s]))
-            sample.extras = {k: torch.cat((pre_x[k][s] if k in pre_x else x.new_zeros(len(pre[s])), x[s, :m]))
-                             for k, x in out_x.items()}
+            sample.extras = {k: torch.cat((x.new_zeros(len(pre[s])), x[s, :m])) for k, x in out_x.items()}
             if return_hidden:
                 hid = torch.cat((pre_h[s], out_h[s, :m]))
                 sample.hidden = hid.mean(0) if return_hidden == "mean" else hid

@@ -307,10 +307,10 @@ def test_trajectory_choice_highest_entropy_and_random():
     assert all(s == pytest.approx(1 / 3, abs=0.1) for s in share.values())
 
 
-def test_selection_scores_the_policy_entropy_at_temperature_one():
-    """H̄(o) is the entropy of π_θ itself, at T = 1 (ExGRPO §3.2, §4.1), whatever the sampling temperature: a step
-    with two likely next tokens (H = 0.77) is lower than one with a favourite and a spread tail (H = 1.32) at T = 1,
-    while at T = 0.5 the order flips. Catches the selection's forward scoring entropies at another temperature."""
+def test_selection_scores_the_policy_entropy_at_the_given_temperature():
+    """H̄(o) is the entropy of π_θ's softmax at the temperature given (the sampling one, as the authors' verl code
+    computes it): a step with two likely next tokens (H = 0.77) is lower than one with a favourite and a spread tail
+    (H = 1.32) at T = 1, while at T = 0.5 the order flips. Catches the selection's forward ignoring the temperature."""
     def entropy(row, T):
         return -(torch.softmax(row / T, -1) * torch.log_softmax(row / T, -1)).sum().item()
 
@@ -322,6 +322,10 @@ def test_selection_scores_the_policy_entropy_at_temperature_one():
     exp = Experience(K)
     exp.pool, exp.bucket = {7: [Trajectory(spread, torch.zeros(4)), Trajectory(tie, torch.zeros(4))]}, {7: 3}
     assert select(ToyLM(table), exp, [7], [[1, 5]])[0].tokens == tie
+    no_autocast = torch.autocast("cpu", enabled=False)
+    at_half = exgrpo.select_trajectories(ToyLM(table), exp, [7], [[1, 5]], 2, 0, torch.device("cpu"), no_autocast,
+                                         temperature=0.5)
+    assert at_half[0].tokens == spread  # the order flips at T = 0.5
 
 
 # ----------------------------------------------------------------------------- 12. delayed start
@@ -621,6 +625,17 @@ def test_retirement_in_the_loop(in_tmp, soft_model_dir, monkeypatch):
     assert not set(q3) & {q for q, r in zip(q4, r4) if r}  # step 3's questions, retired, are not replayed at step 4
     assert steps[2]["exgrpo/buffer_questions"] < steps[1]["exgrpo/buffer_questions"]
 
+
+
+def test_selection_scores_at_the_sampling_temperature_in_the_loop(in_tmp, soft_model_dir, monkeypatch):
+    """The loop scores stored trajectories at --temperature (catches it falling back to T = 1)."""
+    temps, real = [], exgrpo.select_trajectories
+    monkeypatch.setattr(exgrpo, "select_trajectories",
+                        lambda *a, **kw: temps.append(kw.get("temperature")) or real(*a, **kw))
+    monkeypatch.setattr(exgrpo, "score", parity_reward)
+    exgrpo.main(["--model", str(soft_model_dir), "--run-name", "temp", "--steps", "3", "--start-acc", "-1", *RUN,
+                 "--temperature", "0.7"])
+    assert temps and set(temps) == {0.7}
 
 def test_nothing_is_collected_before_the_delayed_start(in_tmp, soft_model_dir):
     """Before the delayed start fires (ExGRPO §4.2, Alg. 1: collection belongs to the mixed phase) partly solved

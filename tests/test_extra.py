@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import zlib
 
 import pytest
 import torch
@@ -322,6 +323,47 @@ def test_guided_context_queue_and_inject():  # properties 8-10 (the parts withou
     assert guided.sum() == 1 and len(rest) == 2  # at most the batch
 
 
+
+def test_positive_on_guided_clamps_only_the_guided_groups_negatives():
+    adv = torch.tensor([-1.0, 1.0, -0.5, 0.5, -2.0, 2.0])
+    group = torch.tensor([0, 0, 1, 1, 2, 2])
+    guided = torch.tensor([False, True, True])
+    assert extra.positive_on_guided(adv, group, guided).tolist() == [-1.0, 1.0, 0.0, 0.5, 0.0, 2.0]
+
+
+def test_guided_positive_only_reaches_the_update(tmp_path, line_model_dir, monkeypatch):
+    """--guided-positive-only: the update sees no negative advantage on a guided row's completions; without it the
+    same run's guided rows keep theirs (catches the flag not wired in, or clamping every row). A verifier that
+    passes about half of all answers (by a hash of the text) makes hard prompts and mixed guided groups common."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(extra, "score", lambda text, answer: float(zlib.crc32(text.encode()) % 2))
+    real_update, real_inject = extra.update, extra.inject
+
+    def run(name, *flags):
+        seen, guided_of_step = [], []
+
+        def inject(*a, **kw):
+            out = real_inject(*a, **kw)
+            guided_of_step.append(out[2])
+            return out
+
+        def update(policy, model, optimizer, b, adv, *a, **kw):
+            seen.append((adv.clone(), guided_of_step[-1][b.group]))
+            return real_update(policy, model, optimizer, b, adv, *a, **kw)
+
+        monkeypatch.setattr(extra, "inject", inject)
+        monkeypatch.setattr(extra, "update", update)
+        extra.main([*host_args(line_model_dir, tmp_path), "--temperature", "1.0", "--regen-warmup", "0",
+                    "--steps", "6", "--regen-rows", "2", "--run-name", name, "--eval-size", "1",
+                    "--eval-max-new-tokens", "0", *flags])
+        return [a for adv, on in seen for a in adv[on].tolist()], [a for adv, on in seen for a in adv[~on].tolist()]
+
+    guided_plain, other_plain = run("plain")
+    guided_pos, other_pos = run("pos", "--guided-positive-only")
+    assert min(guided_plain) < 0, "no guided completion with a negative advantage: the test needs one"
+    assert guided_pos and min(guided_pos) >= 0
+    assert min(other_pos) < 0  # the other rows keep their negative advantages
+
 def test_regenerate_stores_selects_and_queues():
     NL = 198
     cfg = extra.Config(boundary_gap=2, max_prefixes=15, prefix_memory=5, tau=0.1, max_prompt_len=100,
@@ -350,19 +392,17 @@ def test_regenerate_stores_selects_and_queues():
 
 
 def test_token_entropy_bounds(model):  # property 11
-    """The regeneration's entropies: π_θold's at T = 1 over the whole vocabulary, recorded by the sampler while it
-    samples at the run's temperature (generate's entropy_at, as the loop calls it)."""
+    """The regeneration's entropies: π_θold's over the whole vocabulary at the rollout temperature (as verl computes
+    them in the authors' code), recorded by the sampler while it samples: within [0, log V]."""
     g = torch.Generator().manual_seed(0)
     contexts = [torch.randint(3, 5000, (5,), generator=g).tolist() for _ in range(2)]
-    groups = extra.generate(model, contexts, n=2, max_new_tokens=7, temperature=0.8, stop_ids=(), seed=0, entropy_at=1.0)
+    groups = extra.generate(model, contexts, n=2, max_new_tokens=7, temperature=0.8, stop_ids=(), seed=0)
     for c, group in zip(contexts, groups):
         for s in group:
-            ent = s.extras["entropy_at"]
             with torch.no_grad():
-                logp = model(torch.tensor([c + s.tokens]))[0, len(c) - 1:-1].float().log_softmax(-1)  # T = 1
-            assert (ent >= 0).all() and (ent <= math.log(model.cfg.vocab_size) + 1e-4).all()
-            assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
-            assert (ent >= s.entropies - 1e-6).all()  # entropy rises with the temperature: T = 1 over T = 0.8
+                logp = (model(torch.tensor([c + s.tokens]))[0, len(c) - 1:-1].float() / 0.8).log_softmax(-1)
+            assert (s.entropies >= 0).all() and (s.entropies <= math.log(model.cfg.vocab_size) + 1e-4).all()
+            assert torch.allclose(s.entropies, -(logp.exp() * logp).sum(-1), atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ the loop itself
@@ -625,23 +665,28 @@ def test_regenerate_scores_the_cut_rollout_and_keeps_the_newest_prefixes():
     assert [m["mte"] for m in memory] == pytest.approx([(1.2 + 0.4) / 2, (2.2 + 0.4) / 2])
 
 
-def test_regeneration_entropies_are_at_temperature_1(tmp_path, line_model_dir, monkeypatch):
-    """§3.2's MTE is π_θold's at T = 1 (the authors' code) whatever --temperature samples: once regeneration is on, the
-    loop asks the sampler for entropies at 1.0 (catches the sampling temperature passed instead). Stops at the first
-    training sample."""
+def test_regeneration_scores_the_rollouts_own_entropies(tmp_path, line_model_dir, monkeypatch):
+    """§3.2's MTE is π_θold's at the rollout temperature (verl divides the logits by it in the authors' code): the
+    loop hands regenerate each hard row's rollouts with the sampler's entropies of their tokens at --temperature
+    (catches entropies at another temperature, or of other rollouts)."""
     monkeypatch.chdir(tmp_path)
-    asked = []
-
-    class Stop(Exception):
-        pass
+    sampled, handed, real = [], [], extra.generate
 
     def generate(*a, **kw):
-        asked.append(kw.get("entropy_at"))
-        raise Stop
+        groups = real(*a, **kw)
+        if kw.get("temperature") == 0.7:  # the training samples (evaluation is greedy)
+            sampled.append({tuple(s.tokens): s.entropies for g in groups for s in g})
+        return groups
+
+    def regenerate(state, rows, embed, nl_ids, cfg):
+        handed.extend(rows)
+        return [], 0
 
     monkeypatch.setattr(extra, "generate", generate)
-    with pytest.raises(Stop):
-        extra.main([*host_args(line_model_dir, tmp_path), "--temperature", "0.7", "--regen-warmup", "0",
-                    "--no-novelty", "--steps", "1", "--run-name", "t1", "--eval-size", "1",
-                    "--eval-max-new-tokens", "0"])
-    assert asked == [1.0]
+    monkeypatch.setattr(extra, "regenerate", regenerate)
+    extra.main([*host_args(line_model_dir, tmp_path), "--temperature", "0.7", "--regen-warmup", "0", "--no-novelty",
+                "--steps", "2", "--run-name", "t", "--eval-size", "1", "--eval-max-new-tokens", "0"])
+    assert handed, "no hard row was handed to regenerate: the test needs one"
+    for _, _, tokens, entropies in handed:
+        for t, e in zip(tokens, entropies):
+            assert any(torch.equal(e, step.get(tuple(t), torch.empty(0))) for step in sampled)

@@ -411,7 +411,6 @@ def test_compiled_bf16_cuda_runs(tiny):
     (dict(prompts=[[1, 2]], n=2, prefixes=[[[1], [2], [3]]]), ["prefixes[0]", "n[0] is 2"]),
     (dict(prompts=[[1, 2]], top_p=0.0), ["top_p"]),
     (dict(prompts=[[1, 2]], check_every=0), ["check_every >= 1"]),
-    (dict(prompts=[[1, 2]], entropy_at=0.0), ["entropy_at None or > 0"]),
 ])
 def test_bad_input_names_the_argument(tiny, kw, words):
     with pytest.raises(ValueError) as e:
@@ -452,25 +451,6 @@ def test_prompt_kv_reuse_equals_a_fresh_prefill(tiny, monkeypatch, compile_path)
     assert [[s.tokens for s in g] for g in again] == [[s.tokens for s in g] for g in fresh]
     check_scores(model, prompts, again, 0.9)
     assert len(kv) == 3
-
-
-@pytest.mark.parametrize("at", [1.0, 0.7])
-def test_entropy_at_a_second_temperature(tiny, at):
-    """entropy_at: every token's entropy of softmax(logits / at), prefix tokens and rows dropped early included, equals
-    a full forward's, while sampling (and .entropies) stay at the sampling temperature 0.7."""
-    model, _ = tiny["qwen3"]
-    prompts = rand_prompts([5, 8, 3], seed=9)
-    kw = dict(n=[2, 1, 3], max_new_tokens=12, temperature=0.7, stop_ids=list(range(0, 256, 11)), seed=5, check_every=2,
-              prefixes=[[7, 8], [], [9]])
-    groups = generate(model, prompts, entropy_at=at, **kw)
-    plain = generate(model, prompts, **kw)
-    assert [[s.tokens for s in g] for g in groups] == [[s.tokens for s in g] for g in plain]  # sampling unchanged
-    check_scores(model, prompts, groups, 0.7)
-    for p, group in zip(prompts, groups):
-        for s in group:
-            _, ent, _ = full_forward(model, p, s, at)
-            torch.testing.assert_close(s.extras["entropy_at"], ent, atol=1e-4, rtol=1e-4)
-    assert "entropy_at" not in plain[0][0].extras
 
 
 def test_length_groups_bound_the_padding():
