@@ -186,6 +186,8 @@ def validate(cfg: Config):
     check(cfg.max_grad_norm > 0, "max_grad_norm", "a positive number (a norm of 0 would zero every gradient)")
     check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, "tis_cap", "0 (off) or a cap >= 1")
     check(0 <= cfg.tis_floor < 1, "tis_floor", "a number in [0, 1)")
+    check(cfg.tis_floor == 0 or cfg.tis_cap and cfg.tis_mode.endswith("mask"), "tis_floor",
+          "0 unless --tis-cap with --tis-mode token-mask or sequence-mask (the truncate modes have no floor)")
     check(cfg.overlong_buffer < cfg.max_new_tokens and cfg.overlong_penalty >= 0, "overlong_buffer/overlong_penalty",
           "a buffer shorter than max_new_tokens and a penalty >= 0")
     check(cfg.offpolicy_mask >= 0 and 0 < cfg.top_entropy <= 1, "offpolicy_mask/top_entropy",
@@ -237,14 +239,16 @@ def check_context(model, tok, problems, cfg):
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str) -> torch.Tensor:
     """rewards [N], group ids [N] -> advantages [N] relative to each completion's group (GRPO, DeepSeekMath
-    §4.1.2). Groups may differ in size; a group of one has advantage 0."""
+    §4.1.2). Groups may differ in size; a group of one has advantage 0 (our choice, as TRL; verl's GRPO gives it its
+    raw reward)."""
     n = int(group.max()) + 1 if len(group) else 0
     count = torch.bincount(group, minlength=n).double()
     mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, rewards.double()) / count.clamp(min=1)
     centred = rewards.double() - mean[group]
     if norm == "none":  # Dr. GRPO §3.1: the std division re-weights groups by difficulty; leave it out
         return centred.float()
-    # unbiased std, as DeepSeekMath's reference; a group of one has centred = 0, so 0 / (0 + 1e-6) = 0
+    # our choice, as verl: the unbiased std and ε = 1e-6 (DeepSeekMath writes std(r) and released no code; TRL takes
+    # the biased one + 1e-4: a factor √(G/(G-1)) for equal groups). A group of one: centred = 0, so 0 / (0 + 1e-6) = 0
     var = torch.zeros(n, dtype=torch.float64).index_add_(0, group, centred ** 2) / (count - 1).clamp(min=1)
     return (centred / (var.sqrt()[group] + 1e-6)).float()
 
@@ -285,7 +289,8 @@ def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: i
         w = torch.full_like(n_loss, 1.0 / max(n_tokens, 1), dtype=torch.float32)
     elif agg == "seq-mean-token-mean":  # DeepSeekMath eq. 3: every completion counts the same
         w = 1.0 / (n_loss.float().clamp(min=1) * max(n_seqs, 1))
-    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias
+    else:  # seq-mean-token-sum-norm, Dr. GRPO §3.1: a constant normaliser, no length bias. Dr. GRPO's 1/G is kept:
+        # verl's mode of this name divides by max_new_tokens alone, B·G times our loss (mind it with grad clipping)
         w = torch.full_like(n_loss, 1.0 / (max(n_seqs, 1) * max_new_tokens), dtype=torch.float32)
     return w.repeat_interleave(n_loss)
 
@@ -404,7 +409,10 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                 [float((n_train[idx] > 0).sum()), float(n_train[idx].sum()), float(len(idx))])).tolist()
             if n_members == 0:  # fewer completions than mini-batches (--dynamic-sampling dropped groups): no step
                 continue
-            if cfg.top_entropy < 1:  # ranked over the mini-batch's loss tokens
+            # ranked over the mini-batch's loss tokens, those of zero-advantage completions too (our choice: the
+            # paper's batches have none, after DAPO's filter; without --dynamic-sampling fewer than ρ of the tokens
+            # that carry a gradient train)
+            if cfg.top_entropy < 1:
                 tok_mb = token_index(lengths, idx)
                 tok_mb = tok_mb[b.train_mask()[tok_mb]]
                 forking[tok_mb] = high_entropy(b.sampler_entropy[tok_mb], cfg.top_entropy)

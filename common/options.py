@@ -30,7 +30,8 @@ def token_mask(old, logp, sampler_logp, adv, seq, cfg):
     if cfg.tis_cap and cfg.tis_mode != "token-truncate":  # the sampler's mismatch, per token or per completion
         log_rho = old - sampler_logp  # log ρ_t = log π_old / π_sampler
         if cfg.tis_mode.startswith("sequence"):  # the completion's ρ: the product of its tokens' ratios
-            log_rho = torch.zeros(int(seq.max()) + 1, dtype=old.dtype, device=old.device).index_add_(0, seq, log_rho)[seq]
+            n_seq = int(seq.max()) + 1 if seq.numel() else 0  # none under torchrun when a micro-batch's are all masked
+            log_rho = torch.zeros(n_seq, dtype=old.dtype, device=old.device).index_add_(0, seq, log_rho)[seq]
         rho = log_rho.exp()
         if cfg.tis_mode.endswith("truncate"):  # min(ρ, C) (Yao et al. 2025)
             w = rho.clamp(max=cfg.tis_cap)

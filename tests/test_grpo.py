@@ -475,6 +475,8 @@ def test_resume_gives_the_same_run(tmp_path, digit_model_dir):
     (["--overlong-buffer", "6"], ["--overlong-buffer", "shorter than max_new_tokens"]),
     (["--top-entropy", "0"], ["--offpolicy-mask/top-entropy", "(0, 1]"]),
     (["--tis-floor", "1"], ["--tis-floor", "[0, 1)"]),
+    (["--tis-floor", "0.5"], ["--tis-floor", "token-mask or sequence-mask"]),
+    (["--tis-cap", "2", "--tis-floor", "0.5"], ["--tis-floor", "no floor"]),
     (["--tracker", "mlflow"], ["--tracker", "invalid choice"]),
     (["--max-grad-norm", "0"], ["--max-grad-norm", "positive"]),
     (["--eval-samples", "-1"], ["--eval-samples", "non-negative"]),
@@ -699,6 +701,15 @@ def test_offpolicy_sequence_mask_drops_drifted_negative_completions():
     assert options.token_mask(logp, logp, sampler, torch.ones(4), seq, cfg).tolist() == [1.0, 1.0, 1.0, 1.0]
     assert options.token_mask(logp, logp, sampler, -torch.ones(4), seq, grpo.Config()) is None
 
+
+
+@pytest.mark.parametrize("mode", ["sequence-truncate", "sequence-mask", "token-mask"])
+def test_token_mask_takes_a_micro_batch_without_loss_tokens(mode):
+    """Under torchrun every completion goes through the forward, so a micro-batch of wholly masked completions (a
+    truncated group under --overlong-mask) has no loss token: the options give an empty weight, not an error."""
+    empty, cfg = torch.zeros(0), grpo.Config(tis_cap=2.0, tis_mode=mode, offpolicy_mask=0.1)
+    w = options.token_mask(empty, empty, empty, empty, torch.zeros(0, dtype=torch.long), cfg)
+    assert w is not None and w.shape == (0,)
 
 def test_high_entropy_keeps_the_top_fraction(monkeypatch):
     entropy = torch.arange(1, 11) / 10  # 0.1 .. 1.0
