@@ -891,12 +891,9 @@ def main(argv=None):
             # ExTra §3.2 scores rollouts and prefixes by their mean token entropy: in the authors' code π_θold's at
             # the rollout temperature (verl divides the logits by it). Our choice: the sampler's own entropies of each
             # token, the sampling copy's distribution, so no second pass
-            entropies = [s.entropies for g in groups for s in g]  # [N] of [len]
-            rows = []  # (context, answer, its G rollouts' tokens, their entropies) per hard row
-            for r in hard.nonzero()[:, 0].tolist():
-                members = (b_all.group == r).nonzero()[:, 0].tolist()
-                rows.append((contexts[r], answers[r], [b_all.tokens[i] for i in members],
-                             [entropies[i] for i in members]))
+            # (context, answer, its G rollouts' tokens, their entropies) per hard row
+            rows = [(contexts[r], answers[r], [s.tokens for s in groups[r]], [s.entropies for s in groups[r]])
+                    for r in hard.nonzero()[:, 0].tolist()]
             items, stored = regenerate(extra_state, rows, lambda s: embed_texts(encoder, s, centre, tok.pad_id, autocast),
                                        nl_ids, cfg)
             extra_state["queue"] = push_queue(extra_state["queue"], items, cfg.queue_size)

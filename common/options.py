@@ -54,6 +54,9 @@ def high_entropy(entropy: torch.Tensor, keep: float) -> torch.Tensor:
     return entropy >= quantile(entropy.float(), 1 - keep)
 
 
+QUANTILE_MAX = 2 ** 24  # the most elements torch.quantile takes
+
+
 def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(x, q) of a 1-D tensor (linear interpolation) at any length. torch.quantile refuses more than
     2^24 elements (a rank's mini-batch of 16.7M loss tokens, a paper-scale step's entropies); beyond that, the same
@@ -64,5 +67,3 @@ def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     low, high = (torch.kthvalue(x, k + 1).values for k in (math.floor(pos), math.ceil(pos)))
     return torch.lerp(low, high, pos - math.floor(pos))
 
-
-QUANTILE_MAX = 2 ** 24  # the most elements torch.quantile takes
