@@ -20,8 +20,8 @@ current policy is replayed as one member of a group of K whose other K - 1 membe
 get the plain ratio objective (unclipped in the mixed phase), replayed tokens -A f(w) with w the ratio to the
 collecting policy and f(w) = w / (w + β) (§4.2, eq. 4). Questions solved by all K rollouts are retired for good.
 The paper's host is Dr. GRPO (r - group mean, a constant normaliser) with no KL and an entropy bonus of 0.001
-(§3.1, App. D); here the host is grpo.py's defaults, so that the two files compare on equal terms, but for a
-training pool of 64 questions (--train-size; grpo.py draws from 2000) so that questions come back within a run.
+(§3.1, App. D); here the host is grpo.py's defaults, its training pool of 2000 included, so that the two files
+compare on equal terms: questions come back through the buffer, not through the fresh draw (docs/exgrpo.md says why).
 Table 6's ablations are switches: --no-is-correction, --no-policy-shaping, --trajectory-choice, --bucket-weighting
 question, --replay-ratio 0.25 / 0.75; Table 3's σ is --bucket-sigma, and f's β is --shaping-beta. With the paper's
 host, two small differences remain: Dr. GRPO's normaliser here is sequences x L_max where the authors' code divides
@@ -69,7 +69,7 @@ class Config:
     # model and data
     model: str = "smollm2"  # Hugging Face folder (Llama / Qwen2 / Qwen3) or smollm2 (offline default)
     task: str = "arith"  # arith (generated), gsm8k, math500, aime24, amc23, or a .jsonl file
-    train_size: int = 64  # training problems (of a data file a sample; 0 = all); 64: 15 x 16 draws see each ~4 times
+    train_size: int = 2000  # training problems: generated (arith), or a seeded sample of a file's; 0 = the whole file
     # rollouts
     steps: int = 15  # training steps
     # The defaults are sized so that SmolLM2-135M learns the arithmetic task on 2 CPU cores in about 10 minutes: 16
@@ -118,7 +118,7 @@ class Config:
     trajectory_choice: str = "lowest-entropy"
     trajectory_score: str = "mean"  # a trajectory's entropy: the mean (or sum) of its token entropies at --temperature
     # our choice (the paper never prunes): each draw scores every stored trajectory of the question under the current
-    # policy, and a 64-question pool seen ~4 times stores ~8 a question, so that pass cost a step 5-10 s on a CPU
+    # policy, and a question replayed a few times stores up to K - 1 more each time: a pass of 5-10 s a step on a CPU
     max_stored: int = 4  # trajectories kept per question, the most recent (0 = all, the paper's)
     # replayed tokens: -A f(w); off: the fresh tokens' ratio objective, unclipped in the mixed phase as the
     # authors' `no_reshape` is (Table 6 "w/o policy shaping")

@@ -24,8 +24,8 @@ LEFT_OUT = {
     "extra": {"refill", "cispo_ratio"},  # CISPO refused: the dual clip bounds the clipped surrogate
     "eapo": {"refill"},  # every variant leaves out DAPO's refill
 }
-# the one default a variant changes for its algorithm: a finite pool of questions, so that they come back
-DEFAULTS = {"exgrpo": {"train_size": 64}, "extra": {"train_size": 48}, "xrpo": {}, "eapo": {}}
+# the one default a variant changes for its algorithm: ExTra's finite pool of questions, so that they come back
+DEFAULTS = {"exgrpo": {}, "extra": {"train_size": 48}, "xrpo": {}, "eapo": {}}
 
 
 def top_level(name: str) -> dict:
