@@ -118,7 +118,7 @@ class Config:
     trajectory_choice: str = "lowest-entropy"
     trajectory_score: str = "mean"  # a trajectory's entropy: the mean (or sum) of its token entropies at --temperature
     # our choice (the paper never prunes): each draw scores every stored trajectory of the question under the current
-    # policy, and a question replayed a few times stores up to K - 1 more each time: a pass of 5-10 s a step on a CPU
+    # policy, and a replayed question stores up to K - 1 more each time it comes back: the cap bounds that pass
     max_stored: int = 4  # trajectories kept per question, the most recent (0 = all, the paper's)
     # replayed tokens: -A f(w); off: the fresh tokens' ratio objective, unclipped in the mixed phase as the
     # authors' `no_reshape` is (Table 6 "w/o policy shaping")
