@@ -196,10 +196,15 @@ def test_a_group_of_one_adds_nothing(model):
 
 
 def test_kl_to_an_identical_reference_is_zero(model):
-    b, rewards = make_batch()
+    """A KL term to a reference equal to the policy adds exactly nothing to the gradient. Every group's rewards vary,
+    so both updates train the same completions in the same one micro-batch, the one the reference is scored in: the
+    KL term is then the only difference (with a zero-advantage group the KL run would also train it, in other
+    micro-batch shapes, and the two gradients would differ by rounding that depends on the CPU's kernels)."""
+    b, rewards = make_batch(groups=(2, 2, 4))
     adv = grpo.group_advantages(rewards, b.group, "std")
+    assert (adv != 0).all()
     cpu, plain = torch.device("cpu"), torch.autocast("cpu", enabled=False)
-    ref, _ = trainer_logprobs(model, b, 4, 0.7, 0, cpu, plain)
+    ref, _ = trainer_logprobs(model, b, 8, 0.7, 0, cpu, plain)
     grads = []
     for kl in (0.0, 0.5):
         opt = RecordingOptimizer(model)
