@@ -423,6 +423,7 @@ def augmented_share(flags: list, augmented: list) -> float:
     return sum(int(f.sum()) for f, a in zip(flags, augmented) if a) / max(n, 1)
 
 
+@torch.no_grad()  # a freshly loaded model's weights require gradients: no graph, and no warning about one
 def fingerprint(model) -> list[float]:
     """The sum and the sum of squares of every weight of a model, in float64."""
     return [sum(float(p.double().sum()) for p in model.parameters()),
