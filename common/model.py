@@ -497,7 +497,8 @@ class Transformer(nn.Module):
 def compute_dtype(device, name: str = "auto") -> torch.dtype:
     """The dtype for matmuls: bf16 on CUDA and on CPUs with bf16 matrix units (AMX, AVX512-BF16), where its
     matmuls are several times faster than fp32's (bench/sampler.py measures it); fp32 elsewhere. On such a CPU with
-    2 cores the default run is not clearly faster in bf16 and peaks 1.4 x 10^9 B higher (docs/benchmarks.md)."""
+    2 cores grpo.py's default run took 0.78-0.81x fp32's time in bf16 and peaked 0.7 x 10^9 B higher: the bf16 copy
+    of the weights that samples, and autocast's casts of the weights kept for the backward (docs/benchmarks.md)."""
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
     if torch.device(device).type == "cuda":

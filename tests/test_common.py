@@ -69,3 +69,19 @@ def test_peak_rss_is_in_gb_and_the_heap_trim_finds_glibc():
     memory.release_free_memory()
     if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
         assert memory._LIBC is not None
+
+
+@pytest.mark.parametrize("preset", [None, "1024"])
+def test_the_onednn_primitive_caches_are_capped_before_the_algorithm_files_run(preset):
+    """Fails when the caps are dropped, set too late to exist once an algorithm file is imported, or override a
+    value the user set (in bf16 on a CPU the uncapped caches grow a run's memory step by step: common/memory.py)."""
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    if preset:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = preset
+    code = ("import os, grpo, exgrpo, xrpo, extra, eapo; "
+            "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=COMMON.parent, env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [preset or "64"] * 2
