@@ -8,7 +8,7 @@ and ideep's primitive caches hold (common/memory.py caps them at 64 each).
 
 A step: 6 micro-batches of 8 sequences of 40-120 tokens (80 with --fixed), each a forward through the fused
 LM-head log-probs under autocast and a backward, then an AdamW step. Prints this process's resident memory after
-each step and its peak so far (VmRSS, VmHWM; GB of 10^9 bytes): with uncapped caches in bf16 the first grows with
+each step and its peak so far (VmRSS, VmHWM and its parts; GB of 10^9 bytes): with uncapped caches in bf16 the first grows with
 every step; with fixed shapes or capped caches it stays flat.
 """
 import argparse
@@ -22,15 +22,10 @@ import torch  # noqa: E402
 
 from common.memory import release_free_memory  # noqa: E402  (sets the caps unless the environment has them)
 from common.model import ModelConfig, Transformer  # noqa: E402
+from phase_memory import memory  # noqa: E402  (this process's VmRSS, VmHWM, ... from /proc/self/status)
 
 SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-
-
-def resident() -> str:
-    values = {line.split(":")[0]: int(line.split()[1]) * 1024 / 1e9 for line in open("/proc/self/status")
-              if line.startswith(("VmRSS", "VmHWM"))}
-    return f"VmRSS {values['VmRSS']:.2f} VmHWM {values['VmHWM']:.2f}"
 
 
 def main():
@@ -60,7 +55,7 @@ def main():
             (logp.sum() * 1e-3).backward()
         optimizer.step()
         release_free_memory()
-        print(f"step {step}: {resident()}  ({time.time() - t0:.0f} s)", flush=True)
+        print(f"step {step}: {memory()}  ({time.time() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

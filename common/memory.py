@@ -36,11 +36,11 @@ if _LIBC is not None and hasattr(_LIBC, "mallopt"):
 
 # In bf16 on a CPU, matmuls run through oneDNN, and both oneDNN and PyTorch's wrapper of it (ideep) keep every
 # primitive they build in a cache of 1024 by default, keyed by shape. Training forwards and backwards come in a new
-# shape almost every micro-batch (their token counts vary), and each cached primitive holds its own memory (~0.5 MB):
-# `python grpo.py` in bf16 grew by ~0.1-0.2 x 10^9 bytes a step, to a 4.1 x 10^9 B peak. 64 of each hold the shapes of
-# a forward and its backward, which repeat over a model's layers, so nothing is rebuilt more often (the same run:
-# 3.4 x 10^9 B and no slower, bench/phase_memory.py; docs/benchmarks.md). Read when the first primitive is built;
-# a value set in the environment wins. fp32 matmuls do not use these caches.
+# shape almost every micro-batch (their token counts vary), and each cached primitive holds its own memory:
+# `python grpo.py` in bf16 grew by ~0.1-0.2 x 10^9 bytes a step, to a 4.1 x 10^9 B peak. 64 of each still hold a
+# micro-batch's shapes, which repeat over the model's layers (the same run peaked at 3.4 x 10^9 B and was no slower;
+# bench/shape_memory.py, docs/benchmarks.md). Read when the first primitive is built; a value set in the environment
+# wins. fp32 matmuls do not use these caches.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")  # ideep's
 

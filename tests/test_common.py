@@ -1,7 +1,9 @@
 """common/ as a whole: the user errors live in one module, no two modules of common/ import each other, and the
 memory helpers."""
 import ast
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,8 +77,6 @@ def test_peak_rss_is_in_gb_and_the_heap_trim_finds_glibc():
 def test_the_onednn_primitive_caches_are_capped_before_the_algorithm_files_run(preset):
     """Fails when the caps are dropped, set too late to exist once an algorithm file is imported, or override a
     value the user set (in bf16 on a CPU the uncapped caches grow a run's memory step by step: common/memory.py)."""
-    import os
-    import subprocess
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     if preset:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = preset
