@@ -21,10 +21,10 @@ off-policy: with --mini-batches or --epochs above 1, as the recipe's 2 mini-batc
 The paper's recipe also has a k3 KL of 0.001 to the initial model (--kl-coef 0.001); not a default, so that the
 comparison with grpo.py is on equal terms.
 
-Left out: the authors' code embeds with a separate sentence encoder (all-MiniLM-L6-v2); here the initial policy, frozen,
-stands in for it (mean-pooled final hidden states, centred on the mean embedding of the training problem statements;
-no second model to download). Under torchrun the memories would be per rank, so the mechanisms refuse to run there
-(the host alone runs). Also left out: grpo.py's --refill-rounds (guided rows and hard-prompt bookkeeping assume
+Left out: the authors' code embeds with a separate sentence encoder (all-MiniLM-L6-v2, 6 blocks); here the initial
+policy's first 6 blocks, frozen, stand in for it (--encoder-blocks; mean-pooled normed hidden states, centred on the
+mean embedding of the training problem statements; no second model to download). Under torchrun the memories would
+be per rank, so the mechanisms refuse to run there (the host alone runs). Also left out: grpo.py's --refill-rounds (guided rows and hard-prompt bookkeeping assume
 B groups of G) and --loss-type cispo (the dual clip bounds PPO's clipped surrogate). The rest as in grpo.py.
 
 Ablations, as switches: each component off or varied alone. The paper's ablation settings are not public; these
@@ -142,6 +142,10 @@ class Config:
     memory_size: int = 16
     tail_tokens: int = 512  # a rollout is embedded from its last this many tokens ...
     embed_tokens: int = 256  # ... of which the first this many (their encoder reads at most 256 word pieces)
+    # the first this many blocks of the frozen start model embed a text (0, or more than it has: all). The authors'
+    # encoder, all-MiniLM-L6-v2, has 6 blocks and 22M parameters; SmolLM2-135M's first 6 hold 21M (outside the
+    # embedding table) and cost a fifth of all 30 (load_encoder)
+    encoder_blocks: int = 6
     # ExTra (ii): entropy-guided prefix regeneration, §3.2
     regen: bool = True  # queue prompt ++ prefix of hard prompts' most confident rollouts as new groups
     regen_warmup: int = 2  # steps before regeneration starts (ExTra recipe: 30 of 300); nothing stored, queued or injected
@@ -165,6 +169,8 @@ class Config:
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
 RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
+# and the encoder that embedded the memories (checkpoints from before the option embedded with all blocks: 0)
+EXTRA_FIXED = {"encoder_blocks": 0}
 
 
 def validate(cfg: Config):
@@ -211,6 +217,7 @@ def validate(cfg: Config):
     check(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "0 (off) or a number > 1")
     # novelty waits until the memory holds a group's worth of embeddings; a smaller memory never gets there
     check(not cfg.novelty or cfg.memory_size >= cfg.group_size, "memory_size", f"at least group_size ({cfg.group_size})")
+    check(cfg.encoder_blocks >= 0, "encoder_blocks", "a number of blocks >= 0 (0 = all)")
     # the memories and the queue live in this process; ranks would each keep (and save) different ones
     check(dist.world() == 1 or not (cfg.novelty or cfg.regen), "novelty/regen",
           "a single process (under torchrun run the host alone: --no-novelty --no-regen)")
@@ -221,6 +228,9 @@ def check_resume(cfg: Config, saved: dict):
     for name in RESUME_FIXED:
         check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
               f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
+    for name, before_option in EXTRA_FIXED.items():
+        check(saved.get(name, before_option) == getattr(cfg, name), name,
+              f"{saved.get(name, before_option)!r} as in the run being resumed (its memories were embedded with it)")
 
 
 def check_context(model, tok, problems, cfg):
@@ -727,13 +737,19 @@ def novelty_rewards(rewards, correct, d, group, keys, var_ema: dict, cfg) -> tor
     return out
 
 
-def load_encoder(model_name, device):
+def load_encoder(model_name, device, blocks: int = 0):
     """Our stand-in for the authors' sentence encoder (all-MiniLM-L6-v2): the initial policy, frozen, so a stored
     embedding stays comparable with a new one of the same text (the live policy's drift by 1e-5 to 1e-3 after 1-4
-    updates would rival the novelty signal, ~0.01-0.03, uncentred). Our choice: loaded for each step and dropped
-    before the update (on a CPU the weights are memory-mapped, ~0.1 s to open; on a GPU it is a full load each step),
-    so the update's peak holds no second copy."""
-    return Transformer.from_pretrained(model_name, device=device).eval().requires_grad_(False)
+    updates would rival the novelty signal, ~0.01-0.03, uncentred). Our choice: its first `blocks` blocks (0 = all;
+    a shallower model keeps all its own) and then its final norm, the depth of MiniLM-L6 at --encoder-blocks 6; an embedding costs about blocks/30 of a
+    SmolLM2-135M forward, and its rollouts' nearest siblings lie a median 0.29 apart (all 30 blocks: 0.26; MiniLM:
+    0.20; `python bench/extra_encoder.py`). Loaded for each step and dropped before the update (on a CPU the weights
+    are memory-mapped, ~0.1 s to open; on a GPU it is a full load each step), so the update's peak holds no second
+    copy."""
+    encoder = Transformer.from_pretrained(model_name, device=device).eval().requires_grad_(False)
+    if blocks:
+        encoder.layers = encoder.layers[:blocks]
+    return encoder
 
 
 def embed_texts(encoder, seqs, centre, pad_id, autocast) -> torch.Tensor:
@@ -825,7 +841,7 @@ def main(argv=None):
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None, total_steps=cfg.steps,
                      tracker=cfg.tracker, config=asdict(cfg), run_name=cfg.run_name)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    centre = statement_centre(load_encoder(cfg.model, device), train, tok, autocast) if cfg.novelty or cfg.regen else None
+    centre = statement_centre(load_encoder(cfg.model, device, cfg.encoder_blocks), train, tok, autocast) if cfg.novelty or cfg.regen else None
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
@@ -861,7 +877,7 @@ def main(argv=None):
         verified = rewards  # the verifier's rewards, which reward/ logs (Option A adds its bonus to `rewards`)
         # ExTra §3.1: novelty of each completion against its prompt's memory (keyed by the exact context) and siblings
         keys, d = [tuple(c) for c in contexts], torch.zeros(len(b.tokens))  # d [N]
-        encoder = load_encoder(cfg.model, device) if cfg.novelty or regen_on else None  # the initial weights, frozen
+        encoder = load_encoder(cfg.model, device, cfg.encoder_blocks) if cfg.novelty or regen_on else None  # the initial weights, frozen
         if cfg.novelty:
             tails = [response_tail(t, special, cfg.tail_tokens, cfg.embed_tokens) for t in b.tokens]
             d = group_novelty(extra_state["novelty"], keys, b.group, embed_texts(encoder, tails, centre, tok.pad_id, autocast),

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import extra
 import grpo
-from common.config import main_guard
+from common.config import ConfigError, main_guard
 from common.model import Transformer
 from common.tokenizer import Tokenizer
 
@@ -201,16 +201,46 @@ SMOLLM2_ANSWERS = [
 ]
 
 
-def test_novelty_of_distinct_answers_on_smollm2():
+@pytest.mark.parametrize("blocks", [extra.Config.encoder_blocks, 0])
+def test_novelty_of_distinct_answers_on_smollm2(blocks):
     """On the real SmolLM2, different answers to one prompt lie at least 0.1 from their nearest sibling (MiniLM, the
-    paper's encoder, puts SmolLM2's siblings a median 0.20 apart). Uncentred they lie 0.02-0.08 apart: catches the
-    centring on the problem statements dropped."""
+    paper's encoder, puts SmolLM2's siblings a median 0.20 apart), with the default encoder and with all blocks.
+    Uncentred they lie 0.02-0.08 apart: catches the centring on the problem statements dropped."""
     tok = Tokenizer.from_pretrained("smollm2")
-    encoder, nothing = extra.load_encoder("smollm2", torch.device("cpu")), contextlib.nullcontext()
+    encoder, nothing = extra.load_encoder("smollm2", torch.device("cpu"), blocks), contextlib.nullcontext()
     centre = extra.statement_centre(encoder, extra.load_task("arith", "train", n=16, seed=0), tok, nothing)
     emb = extra.embed_texts(encoder, [tok.encode(a) for a in SMOLLM2_ANSWERS], centre, tok.pad_id, nothing)
     d = extra.novelty(emb, emb[:0], n=0)  # nearest sibling, no memory
     assert (d >= 0.1).all(), d
+
+
+def test_encoder_is_the_first_blocks(tiny_model_dir):
+    """--encoder-blocks k: the start model's first k blocks, then its final norm, embed a text (0, or k above the
+    model's depth: all of them). Catches the option ignored, or the last k blocks kept instead of the first."""
+    seqs, nothing = [[5, 6, 7, 8], [900, 901, 33, 4, 4]], contextlib.nullcontext()
+    full = extra.load_encoder(tiny_model_dir, torch.device("cpu"), 0)
+    first = extra.load_encoder(tiny_model_dir, torch.device("cpu"), 1)
+    assert len(full.layers) == 2 and len(first.layers) == 1
+    assert len(extra.load_encoder(tiny_model_dir, torch.device("cpu"), 6).layers) == 2  # a shallower model: all
+    by_hand = Transformer.from_pretrained(tiny_model_dir).eval()
+    del by_hand.layers[1]
+    torch.testing.assert_close(extra.embed_texts(first, seqs, None, 0, nothing),
+                               extra.embed_texts(by_hand, seqs, None, 0, nothing), rtol=0, atol=0)
+    assert not torch.allclose(extra.embed_texts(full, seqs, None, 0, nothing),
+                              extra.embed_texts(first, seqs, None, 0, nothing), atol=1e-3)
+
+
+def test_resume_keeps_the_encoder():
+    """The memories were embedded by the run's encoder: a resume with other --encoder-blocks is refused, and a
+    checkpoint from before the option (no key: all blocks) resumes only with --encoder-blocks 0."""
+    saved = dataclasses.asdict(extra.Config())
+    extra.check_resume(extra.Config(), saved)
+    with pytest.raises(ConfigError, match="--encoder-blocks"):
+        extra.check_resume(extra.Config(encoder_blocks=4), saved)
+    del saved["encoder_blocks"]
+    extra.check_resume(extra.Config(encoder_blocks=0), saved)
+    with pytest.raises(ConfigError, match="--encoder-blocks"):
+        extra.check_resume(extra.Config(), saved)
 
 
 def test_response_tail():
@@ -573,6 +603,7 @@ def test_smoke_default_options(tmp_path, tiny_model_dir, monkeypatch, capsys):
     (["--novelty-mode", "sideways"], ["--novelty-mode", "invalid choice"]),
     (["--loss-type", "cispo"], ["--loss-type", "dual clip"]),
     (["--max-new-tokens", "2100"], ["--max-prompt-len/max-new-tokens", "guided prompt"]),  # 2048 + 2100 > 4096
+    (["--encoder-blocks", "-1"], ["--encoder-blocks", ">= 0"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)

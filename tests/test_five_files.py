@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHANGED = {
     "exgrpo": {"Config", "validate", "token_loss", "token_loss_plain", "main"},
     "xrpo": {"Config", "validate", "check_context", "main"},
-    "extra": {"Config", "validate", "check_context", "token_loss", "token_loss_plain", "main"},
+    "extra": {"Config", "validate", "check_resume", "check_context", "token_loss", "token_loss_plain", "main"},
     "eapo": {"Config", "validate", "check_resume", "main"},
 }
 LEFT_OUT = {
