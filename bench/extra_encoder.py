@@ -3,9 +3,9 @@
     python bench/extra_encoder.py                      # SmolLM2, 16 arith prompts x 8 rollouts, depths 30,12,8,6,4
     python bench/extra_encoder.py --depths 30,6 --prompts 32
 
-extra.py embeds each rollout with the whole frozen start model (30 blocks) where the paper uses all-MiniLM-L6-v2,
-a 6-block, 22M-parameter sentence encoder; SmolLM2's first 6 blocks are about that size (21M parameters outside the
-embedding table). For rollouts sampled as in training (T = 0.8, 48 tokens), each depth's row gives the time to embed
+The paper uses all-MiniLM-L6-v2, a 6-block, 22M-parameter sentence encoder; extra.py embeds each rollout with the
+frozen start model's first --encoder-blocks blocks, 6 by default: SmolLM2's first 6 are about MiniLM's size (21M
+parameters outside the embedding table), and all 30 were extra.py's encoder before 67e1eda. For rollouts sampled as in training (T = 0.8, 48 tokens), each depth's row gives the time to embed
 them (extra.embed_texts, centred on the statements' mean as extra.py does), the median distance of a rollout to its
 nearest sibling (the scale of the novelty bonus; MiniLM: about 0.20, docs/extra.md), the share of exact repeats, and
 the Spearman correlation of the rollouts' nearest-sibling distances with the full depth's. Prints a markdown table.
@@ -32,7 +32,7 @@ from common.tokenizer import Tokenizer  # noqa: E402
 @dataclass
 class Config:
     model: str = "smollm2"  # Hugging Face folder or smollm2
-    depths: str = "30,12,8,6,4"  # encoder depths in blocks; the first is the reference (extra.py's: all of them)
+    depths: str = "30,12,8,6,4"  # encoder depths in blocks; the first is the reference (all of SmolLM2's)
     prompts: int = 16  # training prompts (extra.py's B)
     samples: int = 8  # rollouts per prompt (extra.py's G)
     seed: int = 1  # draws the prompts and the rollouts
