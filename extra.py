@@ -24,8 +24,9 @@ comparison with grpo.py is on equal terms.
 Left out: the authors' code embeds with a separate sentence encoder (all-MiniLM-L6-v2, 6 blocks); here the initial
 policy's first 6 blocks, frozen, stand in for it (--encoder-blocks; mean-pooled normed hidden states, centred on the
 mean embedding of the training problem statements; no second model to download). Under torchrun the memories would
-be per rank, so the mechanisms refuse to run there (the host alone runs). Also left out: grpo.py's --refill-rounds (guided rows and hard-prompt bookkeeping assume
-B groups of G) and --loss-type cispo (the dual clip bounds PPO's clipped surrogate). The rest as in grpo.py.
+be per rank, so the mechanisms refuse to run there (the host alone runs). Also left out: grpo.py's --refill-rounds
+(guided rows and hard-prompt bookkeeping assume B groups of G) and --loss-type cispo (the dual clip bounds PPO's
+clipped surrogate). The rest as in grpo.py.
 
 Ablations, as switches: each component off or varied alone. The paper's ablation settings are not public; these
 are the ablations in the authors' scripts (curiosity only, regeneration only, α and τ sweeps, a later
@@ -741,11 +742,11 @@ def load_encoder(model_name, device, blocks: int = 0):
     """Our stand-in for the authors' sentence encoder (all-MiniLM-L6-v2): the initial policy, frozen, so a stored
     embedding stays comparable with a new one of the same text (the live policy's drift by 1e-5 to 1e-3 after 1-4
     updates would rival the novelty signal, ~0.01-0.03, uncentred). Our choice: its first `blocks` blocks (0 = all;
-    a shallower model keeps all its own) and then its final norm, the depth of MiniLM-L6 at --encoder-blocks 6; an embedding costs about blocks/30 of a
-    SmolLM2-135M forward, and its rollouts' nearest siblings lie a median 0.29 apart (all 30 blocks: 0.26; MiniLM:
-    0.20; `python bench/extra_encoder.py`). Loaded for each step and dropped before the update (on a CPU the weights
-    are memory-mapped, ~0.1 s to open; on a GPU it is a full load each step), so the update's peak holds no second
-    copy."""
+    a shallower model keeps all its own), then its final norm: at --encoder-blocks 6 the depth of MiniLM-L6. An
+    embedding then costs about blocks/30 of a SmolLM2-135M forward, and its rollouts' nearest siblings lie a median
+    0.28-0.29 apart (all 30 blocks: 0.24-0.26; MiniLM: 0.20; `python bench/extra_encoder.py`). Loaded for each step
+    and dropped before the update (on a CPU the weights are memory-mapped, ~0.1 s to open; on a GPU it is a full load
+    each step), so the update's peak holds no second copy."""
     encoder = Transformer.from_pretrained(model_name, device=device).eval().requires_grad_(False)
     if blocks:
         encoder.layers = encoder.layers[:blocks]
@@ -841,7 +842,8 @@ def main(argv=None):
     log = MetricsLog(run_dir, enabled=dist.is_main(), resume_step=start_step if ckpt else None, total_steps=cfg.steps,
                      tracker=cfg.tracker, config=asdict(cfg), run_name=cfg.run_name)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    centre = statement_centre(load_encoder(cfg.model, device, cfg.encoder_blocks), train, tok, autocast) if cfg.novelty or cfg.regen else None
+    centre = (statement_centre(load_encoder(cfg.model, device, cfg.encoder_blocks), train, tok, autocast)
+              if cfg.novelty or cfg.regen else None)
     B, G = cfg.prompts_per_step // dist.world(), cfg.group_size  # this rank's prompts per step
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
                    max_new_tokens=max(cfg.eval_max_new_tokens, cfg.max_new_tokens))
@@ -877,7 +879,8 @@ def main(argv=None):
         verified = rewards  # the verifier's rewards, which reward/ logs (Option A adds its bonus to `rewards`)
         # ExTra §3.1: novelty of each completion against its prompt's memory (keyed by the exact context) and siblings
         keys, d = [tuple(c) for c in contexts], torch.zeros(len(b.tokens))  # d [N]
-        encoder = load_encoder(cfg.model, device, cfg.encoder_blocks) if cfg.novelty or regen_on else None  # the initial weights, frozen
+        # the initial weights' first --encoder-blocks blocks, frozen
+        encoder = load_encoder(cfg.model, device, cfg.encoder_blocks) if cfg.novelty or regen_on else None
         if cfg.novelty:
             tails = [response_tail(t, special, cfg.tail_tokens, cfg.embed_tokens) for t in b.tokens]
             d = group_novelty(extra_state["novelty"], keys, b.group, embed_texts(encoder, tails, centre, tok.pad_id, autocast),
