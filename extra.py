@@ -170,8 +170,6 @@ class Config:
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
 RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
-# and the encoder that embedded the memories (checkpoints from before the option embedded with all blocks: 0)
-EXTRA_FIXED = {"encoder_blocks": 0}
 
 
 def validate(cfg: Config):
@@ -229,9 +227,10 @@ def check_resume(cfg: Config, saved: dict):
     for name in RESUME_FIXED:
         check(saved.get(name, getattr(cfg, name)) == getattr(cfg, name), name,
               f"{saved.get(name)!r} as in the run being resumed (changing it changes the data order or the model)")
-    for name, before_option in EXTRA_FIXED.items():
-        check(saved.get(name, before_option) == getattr(cfg, name), name,
-              f"{saved.get(name, before_option)!r} as in the run being resumed (its memories were embedded with it)")
+    # and the encoder that embedded the memories (checkpoints from before the option embedded with all blocks: 0)
+    was = saved.get("encoder_blocks", 0)
+    check(was == cfg.encoder_blocks, "encoder_blocks",
+          f"{was!r} as in the run being resumed (its memories were embedded with it)")
 
 
 def check_context(model, tok, problems, cfg):

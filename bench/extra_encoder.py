@@ -5,10 +5,11 @@
 
 The paper uses all-MiniLM-L6-v2, a 6-block, 22M-parameter sentence encoder; extra.py embeds each rollout with the
 frozen start model's first --encoder-blocks blocks, 6 by default: SmolLM2's first 6 are about MiniLM's size (21M
-parameters outside the embedding table), and all 30 were extra.py's encoder before 67e1eda. For rollouts sampled as in training (T = 0.8, 48 tokens), each depth's row gives the time to embed
-them (extra.embed_texts, centred on the statements' mean as extra.py does), the median distance of a rollout to its
-nearest sibling (the scale of the novelty bonus; MiniLM: about 0.20, docs/extra.md), the share of exact repeats, and
-the Spearman correlation of the rollouts' nearest-sibling distances with the full depth's. Prints a markdown table.
+parameters outside the embedding table), and all 30 were extra.py's encoder before 67e1eda. For rollouts sampled as
+in training (T = 0.8, 48 tokens), each depth's row gives the time to embed them (extra.embed_texts, centred on the
+statements' mean as extra.py does), the median distance of a rollout to its nearest sibling (the scale of the novelty
+bonus; MiniLM: about 0.20, docs/extra.md), the share of exact repeats, and the Spearman correlation of the rollouts'
+nearest-sibling distances with the full depth's. Prints a markdown table.
 """
 import contextlib
 import copy

@@ -8,10 +8,9 @@ and ideep's primitive caches hold (common/memory.py caps them at 64 each).
 
 A step: 6 micro-batches of 8 sequences of 40-120 tokens (80 with --fixed), each a forward through the fused
 LM-head log-probs under autocast and a backward, then an AdamW step. Prints this process's resident memory after
-each step and its peak so far (VmRSS, VmHWM and its parts; GB of 10^9 bytes): with uncapped caches in bf16 the first grows with
-every step; with fixed shapes or capped caches it stays flat.
+each step and its peak so far (VmRSS, VmHWM and its parts; GB of 10^9 bytes): with uncapped caches in bf16 the first
+grows with every step; with fixed shapes or capped caches it stays flat.
 """
-import argparse
 import random
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
+from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 from common.memory import release_free_memory  # noqa: E402  (sets the caps unless the environment has them)
 from common.model import ModelConfig, Transformer  # noqa: E402
 from phase_memory import memory  # noqa: E402  (this process's VmRSS, VmHWM, ... from /proc/self/status)
@@ -29,11 +29,13 @@ SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, inter
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--fixed", action="store_true", help="every micro-batch 8 x 80 tokens")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error("expected --steps >= 1")
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_hf(SMOLLM2_135M))
     dtype = getattr(torch, args.dtype)
