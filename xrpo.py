@@ -17,6 +17,7 @@
     python xrpo.py --no-icl                          #   w/o ICL (Table 5),
     python xrpo.py --nov-lambda 0                    #   w/o AS (both: w/o AS+ICL)
     python xrpo.py --icl-init 64                     # the corpus seeded from the base model's answers (Alg. 1's C_init)
+    python xrpo.py --icl-context plain               # ICL rollouts train as answers to the plain prompt
     python xrpo.py --rounds 0 --base-rollouts 8 --no-icl --nov-lambda 0   # all off: python grpo.py, bit for bit
     torchrun --nproc_per_node=8 xrpo.py --model Qwen3-1.7B --task dapo_math_17k.jsonl --train-size 0 \
         --prompts-per-step 16 --group-size 8 --base-rollouts 4 --rounds 2 --icl-shots 2 --icl-max-len 8192 \
@@ -33,10 +34,9 @@ separate Qwen3-Embedding-8B, once before the first update: no second model. Eval
 
 Off by default, as in grpo.py: a format reward (--format-reward) and DAPO's overlong penalty (--overlong-buffer).
 Left out: value models; grpo.py's refill of groups dropped by dynamic sampling (a refill samples beyond the B×G
-budget that the planner splits; we drop them and log how many); a per-prompt cap on the allocation and
-re-conditioning ICL rollouts on the plain prompt for the update (neither is in the paper; ICL rollouts train in
-their own prompt, sample_rounds says why). The authors link their code (github.com/UIUC-MLSys/XRPO), but we could
-not read it: where the paper leaves a choice open, the code says "our choice".
+budget that the planner splits; we drop them and log how many); a per-prompt cap on the allocation (not in the
+paper). The authors link their code (github.com/UIUC-MLSys/XRPO), but we could not read it: where the paper leaves
+a choice open, the code says "our choice".
 """
 import copy
 import functools
@@ -112,6 +112,10 @@ class Config:
     # training (its solutions stay in the corpus, and matter most at step 1, before the run's own correct rollouts
     # join them)
     icl_init: int = 0
+    # the context ICL rollouts train with, which the paper leaves open: icl, the in-context prompt q̃ they were
+    # sampled from (an on-policy ratio), or plain, the problem's own prompt q, the one evaluation asks (§4.1);
+    # sample_rounds says more
+    icl_context: str = "icl"
     # novelty-guided advantage sharpening (XRPO §3.3, eq. 6); --nov-lambda 0 is the "w/o AS" ablation (Table 5)
     nov_lambda: float = 2.5  # λ_nov: bonus strength (§4.1); 0 = off
     nov_kappa: float = 0.5  # κ: a bonus is at most κ times the rollout's advantage (§4.1)
@@ -161,7 +165,7 @@ class Config:
                "device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"],
                "loss_type": ["clip", "cispo"], "tis_mode": ["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"],
                "tracker": ["none", "tensorboard", "wandb", "trackio"],
-               "alloc": ["proportional", "greedy", "uniform"]}
+               "alloc": ["proportional", "greedy", "uniform"], "icl_context": ["icl", "plain"]}
 
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
@@ -563,7 +567,8 @@ def sharpen(adv, correct, seq_logp, group, lam_nov: float, kappa: float, all_cor
 
     η_i = exp(s_i - s̄) with s̄ the mean s of ALL rollouts of i's group, right and wrong, plain and in-context, each in
     its own context (eq. 5's N rollouts read as the group's: §3.3 calls η relative to the group). Our choice, since
-    the paper does not say which context scores an ICL rollout: its own, the one it trains in. Exemplars tend to
+    the paper does not say which context scores an ICL rollout: the in-context prompt it was sampled from (the
+    sampler's log-probs; a scoring pass, μ·M > 1, scores the context it trains in, --icl-context). Exemplars tend to
     raise an ICL rollout's log-probs, so in a seeded group its correct rollouts (all ICL ones with one round) sit
     above s̄ more often and gain less. s is at the sampling temperature, as the trainer's π_old is (eq. 4 writes
     π_θ; the paper samples at T = 1, where the two agree). Only correct
@@ -592,9 +597,14 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
     """Alg. 1 lines 4-16: n_base rollouts of every prompt, then cfg.rounds rounds, each splitting its budget T by the
     priorities of the rewards so far and sampling a prompt with no correct rollout yet from its in-context prompt.
     Prompt q's group is all its rollouts, whatever round and context they came from.
-    ICL rollouts keep the in-context prompt as their context, so they also train on it (our choice: the paper does
-    not say; this keeps the ratio a true importance ratio). The budget is the whole batch's (§3.2): under torchrun
-    every rank plans all prompts from the gathered scores, then samples its own share of the plan.
+    The context an ICL rollout trains with is our choice (the paper does not say). With cfg.icl_context "icl" (the
+    default) it is q̃, the in-context prompt it was sampled from: the update's ratio is a true importance ratio, as
+    in a pipeline that trains each rollout on the prompt that generated it, and the exemplars go through every
+    training forward. With "plain" it is the problem's prompt q, the one evaluation asks, shared in the forward with
+    the group's plain rollouts; the sampler log-probs stay q̃'s, the distribution the rollout was drawn from: with
+    μ·M = 1 the ratio is 1 and the gradient REINFORCE's on q, π_old (μ·M > 1) is scored on q, and --tis-cap weights
+    them by π_old(y|q) / π(y|q̃). The budget is the whole batch's (§3.2): under torchrun every rank plans all
+    prompts from the gathered scores, then samples its own share of the plan.
     Returns the flat Batch, each rollout's text and 0/1 verifier score [N], whether its context was an in-context
     prompt [N] (bool), and how many rollouts each prompt got."""
     B, answers = len(problems), [p.answer for p in problems]
@@ -623,7 +633,8 @@ def sample_rounds(rollout, tok, problems, contexts, corpus, cfg, seed, autocast)
     # prompt after prompt, each prompt's rounds side by side: a micro-batch of the update then holds few distinct
     # contexts, and each distinct context goes through its forward once
     flat = [(q, *chunk) for q in range(B) for chunk in chunks[q]]  # (q, context, samples, texts, scores, is_icl)
-    b = to_batch([f[1] for f in flat], [f[2] for f in flat], [answers[f[0]] for f in flat], [f[0] for f in flat])
+    trained_in = [contexts[f[0]] if f[5] and cfg.icl_context == "plain" else f[1] for f in flat]
+    b = to_batch(trained_in, [f[2] for f in flat], [answers[f[0]] for f in flat], [f[0] for f in flat])
     correct = torch.tensor([c for f in flat for c in f[4]])
     icl = torch.tensor([f[5] for f in flat for _ in f[2]], dtype=torch.bool)
     return b, [t for f in flat for t in f[3]], correct, icl, [len(s) for s in so_far]
@@ -982,10 +993,10 @@ def main(argv=None):
             # group's advantages but gets no loss tokens (all of it is skipped)
             b = replace(b, skip=torch.where(b.finished, b.skip, b.lengths))
         # XRPO §3.3: a correct rollout that the policy finds less likely than its group does on average gains a
-        # bonus; s(y) (eq. 4) in the context it is trained with, from π_old (eq. 4's π_θ before the update). Our
-        # choice: the scoring pass's log-probs when the step makes one (μ·M > 1), else the sampler's, and no second
-        # forward is paid: the same weights in fp32, a bf16 copy under --dtype auto on bf16 hardware (the gap is
-        # policy/sampler_logp_diff)
+        # bonus; s(y) (eq. 4) from π_old (eq. 4's π_θ before the update). Our choice: the scoring pass's log-probs
+        # when the step makes one (μ·M > 1), in the context trained with, else the sampler's, in the context sampled
+        # from (an ICL rollout's q̃), and no second forward is paid: the same weights in fp32, a bf16 copy under
+        # --dtype auto on bf16 hardware
         bonus = torch.zeros_like(adv)
         if cfg.nov_lambda > 0:
             token_logp = b.sampler_logp if old_logp is None else old_logp

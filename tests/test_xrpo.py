@@ -326,8 +326,8 @@ class GradRecorder:
 
 
 def test_12_icl_prompt_tokens_get_no_loss(tok, tiny_model_dir):
-    """Rollouts sampled from an in-context prompt train with it as context: only their completion tokens have a
-    loss term and count in the token-mean; the gradient is REINFORCE's over those tokens alone."""
+    """Rollouts that train with an in-context prompt as context (--icl-context icl): only their completion tokens
+    have a loss term and count in the token-mean; the gradient is REINFORCE's over those tokens alone."""
     from common.batch import Batch
     model = Transformer.from_pretrained(tiny_model_dir)
     plain = tok.prompt("What is 2 + 3?")
@@ -384,21 +384,24 @@ def test_rounds_draw_new_rollouts(soft, tok):
     assert not {tuple(t) for t in b.tokens[:2]} & {tuple(t) for t in b.tokens[2:]}
 
 
-def test_icl_rollouts_join_the_prompts_group_in_their_own_context(soft, tok):
+@pytest.mark.parametrize("trained_in", ["plain", "icl"])
+def test_icl_rollouts_join_the_prompts_group_and_train_in_the_chosen_context(soft, tok, trained_in):
     """A prompt with no correct base rollout is sampled in the round from its in-context prompt (§3.2, App. C); those
-    rollouts are normalised in the prompt's group and carry the context they were sampled from, so their sampler
-    log-probs, s(y) (eq. 4) and the update's ratio all refer to one context. Catches seeded rollouts batched with the
-    plain prompt (or in a group of their own)."""
+    rollouts are normalised in the prompt's group, and train in the in-context prompt they were sampled from
+    (--icl-context icl, the default) or in the plain prompt, the one evaluation asks (plain). Catches the option
+    ignored either way, and seeded rollouts in a group of their own."""
     from common.tasks import Problem
     near, solution = "What is 1 + 1?", "1 + 1 = \\boxed{2}"
     corpus = xrpo.Corpus()
     corpus.vectors = {"What is 2 + 3?": torch.tensor([1.0, 0.0]), near: torch.tensor([0.8, 0.6])}
     corpus.add(near, solution)
     problem = Problem("What is 2 + 3?", "no digit answers this")  # every rollout wrong: the round is seeded
-    contexts, b, icl, per_prompt = sample_rounds_of(soft, tok, [problem], corpus)
+    contexts, b, icl, per_prompt = sample_rounds_of(soft, tok, [problem], corpus, icl_context=trained_in)
     assert per_prompt == [4] and icl.tolist() == [False, False, True, True]
     seeded = xrpo.icl_prompt(tok, problem.prompt, [(near, solution)], xrpo.Config().icl_max_len)
-    assert b.context[:2] == [contexts[0]] * 2 and b.context[2:] == [seeded] * 2 and seeded != contexts[0]
+    assert seeded != contexts[0]
+    assert b.context[:2] == [contexts[0]] * 2
+    assert b.context[2:] == [contexts[0] if trained_in == "plain" else seeded] * 2
     assert b.group.tolist() == [0, 0, 0, 0]
 
 
