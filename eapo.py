@@ -482,8 +482,11 @@ def rollouts(rollout, priors, mix, contexts, G, G_e, cfg, stop_ids, seed):
     if not priors.apart:
         companion = Companion(priors.hold(), mix, rows=augmented_rows(len(contexts), G, G_e))
         return generate(rollout, contexts, n=G, seed=seed, companion=companion, **kw)
-    augmented = generate(rollout, contexts, n=G_e, seed=seed, companion=Companion(priors.hold(), mix), **kw)
-    ordinary = generate(rollout, contexts, n=G - G_e, seed=seed + 2, **kw)  # π_RL's weights freed with the first call
+    # the prompts' keys and values from the first call's prefill: the second call copies them, the same numbers
+    prompt_kv = {}
+    augmented = generate(rollout, contexts, n=G_e, seed=seed, companion=Companion(priors.hold(), mix),
+                         prompt_kv=prompt_kv, **kw)
+    ordinary = generate(rollout, contexts, n=G - G_e, seed=seed + 2, prompt_kv=prompt_kv, **kw)  # π_RL's weights gone
     like = augmented[0][0].extras  # the ordinary completions' per-token extras: zeros, as a joint call gives them
     for s in (s for g in ordinary for s in g):
         s.extras = {k: v.new_zeros(len(s.tokens)) for k, v in like.items()}

@@ -558,6 +558,36 @@ def test_on_a_cpu_augmented_completions_sample_apart_with_pi_rl_gone_before_the_
     assert rows_of("a")[1]["eapo/injected_ratio"] == 1.0
 
 
+def test_on_a_cpu_the_ordinary_call_copies_the_prompts_keys_and_values_of_the_augmented_one(pair, monkeypatch):
+    """The two calls of a CPU step sample the same prompts with the same weights: the second copies the first call's
+    prefill of the policy instead of running it again, and samples exactly what it samples with its own prefill
+    (prompts of different lengths, so left padding too). Fails if the second call prefills again (the saving
+    lost) or if the copied keys and values differ from a prefill's in any bit."""
+    import types
+
+    import common.sampler
+
+    policy, prior = pair
+    priors = types.SimpleNamespace(apart=True, hold=lambda: prior)
+    cfg = types.SimpleNamespace(max_new_tokens=10, temperature=0.9, top_p=1.0)
+    prefills, real_prefill, real_generate = [], common.sampler.prefill, eapo.generate
+    monkeypatch.setattr(common.sampler, "prefill", lambda model, *a, **kw: prefills.append(model) or real_prefill(model, *a, **kw))
+
+    def run(reuse):
+        prefills.clear()
+        monkeypatch.setattr(eapo, "generate", real_generate if reuse else
+                            lambda *a, prompt_kv=None, **kw: real_generate(*a, **kw))
+        groups = eapo.rollouts(policy, priors, eapo.PriorMix(0.5, 0.0, 0.9, seed=5), PROMPTS, 4, 1, cfg, [0, 1], 7)
+        return [s for g in groups for s in g], [m is policy for m in prefills]
+
+    copied, copied_prefills = run(reuse=True)
+    own, own_prefills = run(reuse=False)
+    assert copied_prefills.count(True) == 1 and own_prefills.count(True) == 2  # the policy's; π_RL's once either way
+    assert len(copied) == len(own) == 12
+    for a, b in zip(copied, own):
+        assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropies, b.entropies)
+
+
 def test_ranks_draw_disjoint_random_streams(in_tmp, models, monkeypatch):
     """Under torchrun each rank samples its own prompts with seeds of its own: a step's augmented call, its
     ordinary call (on a CPU) and π_RL's coins take seed, seed + 2 and seed + 1, and rank r starts at 3r, so that no
