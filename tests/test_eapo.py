@@ -571,7 +571,8 @@ def test_on_a_cpu_the_ordinary_call_copies_the_prompts_keys_and_values_of_the_au
     priors = types.SimpleNamespace(apart=True, hold=lambda: prior)
     cfg = types.SimpleNamespace(max_new_tokens=10, temperature=0.9, top_p=1.0)
     prefills, real_prefill, real_generate = [], common.sampler.prefill, eapo.generate
-    monkeypatch.setattr(common.sampler, "prefill", lambda model, *a, **kw: prefills.append(model) or real_prefill(model, *a, **kw))
+    monkeypatch.setattr(common.sampler, "prefill",
+                        lambda model, *a, **kw: prefills.append(model) or real_prefill(model, *a, **kw))
 
     def run(reuse):
         prefills.clear()
