@@ -1,11 +1,13 @@
 """Process memory on a CPU: hand the heap's freed pages back to the OS, and read this process's peak.
 
     release_free_memory()      # between the phases of a step (and around each training forward)
+    with heap_temporaries():   # a sampling call: its per-token temporaries reuse freed heap blocks
     peak_rss_gb()              # logged as perf/peak_rss_gb
 """
 import ctypes
 import os
 import sys
+from contextlib import contextmanager
 
 try:
     import resource
@@ -29,10 +31,12 @@ _LIBC = _libc()
 # it raises that threshold to the size of each such block freed (up to 32 MB), after which the sampler's per-step
 # tensors of a few MB ([rows, vocabulary] logits and probabilities) come from the heap, where freed ones stay mixed
 # with live ones: a sampling call's resident memory then creeps up by ~0.1-0.2 x 10^9 bytes over its decode steps.
-# A fixed threshold keeps blocks of 1 MB and more on mmap (its cost does not show in a run's time: docs/benchmarks.md).
-M_MMAP_THRESHOLD = -3
-if _LIBC is not None and hasattr(_LIBC, "mallopt"):
-    _LIBC.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+# A fixed threshold keeps blocks of 1 MB and more on mmap. A sampling call, whose decode steps allocate the same
+# large temporaries token after token, raises it for its own duration (heap_temporaries) and trims the heap itself.
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20
+_MALLOPT = _LIBC is not None and hasattr(_LIBC, "mallopt")
+if _MALLOPT:
+    _LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 # In bf16 on a CPU, matmuls run through oneDNN, and both oneDNN and PyTorch's wrapper of it (ideep) keep every
 # primitive they build in a cache of 1024 by default, keyed by shape. Training forwards and backwards come in a new
@@ -53,6 +57,26 @@ def release_free_memory():
     (common.model); what each call saves is in docs/benchmarks.md."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+@contextmanager
+def heap_temporaries(threshold: int = 64 << 20):
+    """Inside, blocks under `threshold` bytes come from the heap, not from mmap; after, the fixed threshold again
+    and the freed pages go back to the OS. A block taken from mmap is zero-filled page by page when first written
+    (a page fault per 4 KB) and unmapped when freed, and a decode step allocates a dozen [rows, vocabulary]
+    temporaries (25 MB each at 128 rows), so under the fixed threshold every token paid those faults again: grpo.py's
+    sampling call of 128 rows takes 0.90x the time from the heap, one of 64 rows 0.95x (bench/sampler_heap.py). The
+    caller hands freed pages back now and then (release_free_memory), so that they do not pile up. A training step
+    gains nothing from it (its blocks are few and large against its matmuls), so it keeps the fixed threshold."""
+    if not _MALLOPT:
+        yield
+        return
+    _LIBC.mallopt(M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        _LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        release_free_memory()
 
 
 def peak_rss_gb() -> float:

@@ -32,7 +32,7 @@ from numbers import Integral
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common.memory import release_free_memory
+from common.memory import heap_temporaries, release_free_memory
 # the project's one softmax / log-prob / entropy, shared with the trainer's reference ops:
 # softmax_stats(logits [B, V], T) -> (logp [B, V], probs [B, V], entropy [B]); logprobs_entropy gathers from it
 from kernels.reference import logprobs_entropy, softmax_stats
@@ -282,7 +282,10 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
 
-    with torch.inference_mode(), _attention_kernels(dev):
+    # on a CPU the decode steps' temporaries come from the heap (common.memory), except beside a companion: two
+    # models' caches and temporaries make that call a run's peak (EAPO's), and the heap would add to it
+    heap = heap_temporaries() if dev.type == "cpu" and companion is None else nullcontext()
+    with torch.inference_mode(), _attention_kernels(dev), heap:
         # the distinct prompts without their last token: the start all of them share, then each one's rest,
         # left-padded (padding in the middle of a row is fine: positions count real tokens)
         C = _common_prefix_len([p[:-1] for p in uniq])

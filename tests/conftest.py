@@ -73,3 +73,18 @@ def tiny_model_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, folder / name)
     return folder
+
+
+class RecordingLibc:
+    """Stands in for glibc: records mallopt and malloc_trim calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.calls.append(("trim",))
+        return 1

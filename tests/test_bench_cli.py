@@ -20,6 +20,7 @@ MISTAKES = {
     "bench/phase_memory.py": ["ppo"],
     "bench/same_run.py": ["nowhere"],
     "bench/sampler.py": ["--reps", "0"],
+    "bench/sampler_heap.py": ["--reps", "0"],
     "bench/sampling_calls.py": ["ppo"],
     "bench/verifier.py": ["--bogus"],
     "common/plot.py": ["nowhere"],

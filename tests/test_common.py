@@ -73,6 +73,23 @@ def test_peak_rss_is_in_gb_and_the_heap_trim_finds_glibc():
         assert memory._LIBC is not None
 
 
+def test_heap_temporaries_raise_the_mmap_threshold_inside_only_and_hand_the_pages_back(monkeypatch):
+    """Fails when the threshold is not raised inside, not set back to the fixed 1 MB after (also when the body
+    raises: the trainer's blocks would then pile up in the heap), or the freed pages are not handed back after."""
+    from conftest import RecordingLibc
+
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_LIBC", libc)
+    monkeypatch.setattr(memory, "_MALLOPT", True)
+    with pytest.raises(RuntimeError):
+        with memory.heap_temporaries():
+            assert libc.calls == [("mallopt", memory.M_MMAP_THRESHOLD, 64 << 20)]
+            raise RuntimeError("a failed sampling call")
+    assert libc.calls == [("mallopt", memory.M_MMAP_THRESHOLD, 64 << 20),
+                          ("mallopt", memory.M_MMAP_THRESHOLD, memory.MMAP_THRESHOLD), ("trim",)]
+    assert memory.MMAP_THRESHOLD == 1 << 20
+
+
 @pytest.mark.parametrize("preset", [None, "1024"])
 def test_the_onednn_primitive_caches_are_capped_before_the_algorithm_files_run(preset):
     """Fails when the caps are dropped, set too late to exist once an algorithm file is imported, or override a

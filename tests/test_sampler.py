@@ -486,3 +486,32 @@ def test_sampling_attention_leaves_out_cudnn_on_cuda_only():
     assert SDPBackend.FLASH_ATTENTION in sampler.SAMPLING_ATTENTION and SDPBackend.MATH in sampler.SAMPLING_ATTENTION
     assert isinstance(sampler._attention_kernels(torch.device("cpu")), contextlib.nullcontext)
     assert not isinstance(sampler._attention_kernels(torch.device("cuda")), contextlib.nullcontext)
+
+
+def test_a_cpu_sampling_call_takes_its_temporaries_from_the_heap_and_sets_the_threshold_back(tiny, monkeypatch):
+    """Fails when generate() on a CPU does not raise glibc's mmap threshold around its decode loop (every decode
+    step would page-fault its [rows, vocabulary] temporaries in again: bench/sampler_heap.py), leaves it raised for
+    the trainer, raises it beside a companion, or when the call's samples depend on where their memory came from."""
+    from common import memory
+    from conftest import RecordingLibc
+
+    model = tiny["llama-gqa"][0]
+    prompts = rand_prompts([5, 9, 3], seed=3)
+    plain = generate(model, prompts, n=2, max_new_tokens=12, temperature=1.0, seed=7, stop_ids=())
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_LIBC", libc)
+    monkeypatch.setattr(memory, "_MALLOPT", True)
+    seen = []
+    real_stats = sampler.softmax_stats
+    monkeypatch.setattr(sampler, "softmax_stats", lambda *a: seen.append(list(libc.calls)) or real_stats(*a))
+    heap = generate(model, prompts, n=2, max_new_tokens=12, temperature=1.0, seed=7, stop_ids=())
+    raised, fixed = ("mallopt", memory.M_MMAP_THRESHOLD, 64 << 20), ("mallopt", memory.M_MMAP_THRESHOLD, 1 << 20)
+    assert len(seen) == 12 and all([c for c in calls if c[0] == "mallopt"] == [raised] for calls in seen)
+    assert [c for c in libc.calls if c[0] == "mallopt"] == [raised, fixed] and libc.calls[-1] == ("trim",)
+    for a, b in zip(sum(plain, []), sum(heap, [])):
+        assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropies, b.entropies)
+    # beside a companion (EAPO's prior), whose call is a run's peak, the threshold stays fixed
+    libc.calls.clear()
+    identity = sampler.Companion(tiny["qwen3"][0], lambda t, tokens, logits, prior_logits, rows: (tokens, {}))
+    generate(model, prompts, n=2, max_new_tokens=12, temperature=1.0, seed=7, stop_ids=(), companion=identity)
+    assert libc.calls and all(c[0] == "trim" for c in libc.calls)
