@@ -66,8 +66,8 @@ def heap_temporaries(threshold: int = 64 << 20):
     (a page fault per 4 KB) and unmapped when freed, and a decode step allocates a dozen [rows, vocabulary]
     temporaries (25 MB each at 128 rows), so under the fixed threshold every token paid those faults again: grpo.py's
     sampling call of 128 rows takes 0.90x the time from the heap, one of 64 rows 0.95x (bench/sampler_heap.py). The
-    caller hands freed pages back now and then (release_free_memory), so that they do not pile up. A training step
-    gains nothing from it (its blocks are few and large against its matmuls), so it keeps the fixed threshold."""
+    caller hands freed pages back now and then (release_free_memory), so that they do not pile up. The trainer keeps
+    the fixed threshold: its update is a run's peak, and what the heap would save it is unsettled (--train there)."""
     if not _MALLOPT:
         yield
         return
