@@ -26,20 +26,19 @@ import common.sampler as sampler  # noqa: E402
 from common.batch import completion_logprobs, to_batch  # noqa: E402
 from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
 from common.hub import resolve_model_dir  # noqa: E402
+from common.memory import release_free_memory  # noqa: E402
 from common.model import Transformer  # noqa: E402
 from common.tasks import format_question, load_task  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 
 
 def train_pass(model, batch, pad_id, micro_batch=8):
-    """Forward and backward over every completion of batch, micro_batch at a time; the gradients are dropped after.
-    Returns the completions' tokens (for the same-work check)."""
+    """Forward and backward over every completion of batch, micro_batch at a time; the gradients are dropped after."""
     for i in range(0, len(batch.tokens), micro_batch):
         logp, entropy, _ = completion_logprobs(model, batch, list(range(i, min(i + micro_batch, len(batch.tokens)))),
                                                0.8, pad_id, "cpu")
         (logp.sum() + entropy.sum()).backward()
     model.zero_grad(set_to_none=True)
-    return batch.tokens
 
 
 def main():
@@ -78,14 +77,16 @@ def main():
             t = time.perf_counter()
             if args.train:
                 with sampler.heap_temporaries():
-                    tokens = train_pass(model.train(), batch, tok.pad_id)
+                    train_pass(model.train(), batch, tok.pad_id)
+                release_free_memory()  # as generate() does after its call
                 model.eval()
+                tokens = batch.tokens
             else:
                 groups = sampler.generate(model, contexts, n=args.n, max_new_tokens=args.max_new_tokens,
                                           temperature=0.8, stop_ids=tok.stop_ids, seed=rep)
                 tokens = [s.tokens for g in groups for s in g]
+                assert made.setdefault("tokens", tokens) == tokens, "the two modes sampled different tokens"
             seconds[mode].append(time.perf_counter() - t)
-            assert made.setdefault("tokens", tokens) == tokens, "the two modes sampled different tokens"
             print(f"| {rep} | {mode} | {seconds[mode][-1]:.2f} | {sum(map(len, tokens))} |", flush=True)
     sampler.heap_temporaries = heap
     m, h = statistics.mean(seconds["mmap"]), statistics.mean(seconds["heap"])
