@@ -27,6 +27,7 @@ sampling as 2 x parameters per generated token, so the time on another machine c
 matmul rate (--predict-gflops).
 """
 import contextlib
+import importlib
 import io
 import json
 import re
@@ -41,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from common.config import OneLineParser, fail  # noqa: E402  (a user mistake: one line, exit 2)
 from common.plot import read_metrics  # noqa: E402  (one line and exit 2 for an unreadable metrics.jsonl)
+
+importlib.import_module("common.memory")  # MKL's branch as the runs take it (common/memory.py): the rate in their mode
 
 ALGOS = ("grpo", "exgrpo", "xrpo", "extra", "eapo")
 

@@ -1,4 +1,5 @@
-"""Process memory on a CPU: hand the heap's freed pages back to the OS, and read this process's peak.
+"""Process memory on a CPU: hand the heap's freed pages back to the OS, and read this process's peak. Also the
+process-wide settings of the CPU math libraries, made when this module is imported, before their first call.
 
     release_free_memory()      # between the phases of a step (and around each training forward)
     with heap_temporaries():   # a sampling call: its per-token temporaries reuse freed heap blocks
@@ -6,6 +7,7 @@
 """
 import ctypes
 import os
+import re
 import sys
 from contextlib import contextmanager
 
@@ -47,6 +49,32 @@ if _MALLOPT:
 # wins. fp32 matmuls do not use these caches.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")  # ideep's
+
+
+def mkl_branch(cpuinfo: str) -> str | None:
+    """The MKL_CBWR value for the CPU that /proc/cpuinfo's text describes: "AUTO" on an x86 CPU not made by
+    Intel, None (MKL's default) on Intel's and where the vendor is not known."""
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, re.MULTILINE)
+    return "AUTO" if vendor and vendor.group(1) != "GenuineIntel" else None
+
+
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read(1 << 16)  # the first processors' lines are enough
+    except OSError:  # not Linux
+        return ""
+
+
+# MKL, PyTorch's BLAS on x86, takes slower kernels on CPUs not made by Intel than its mode of conditional numerical
+# reproducibility does: MKL_CBWR=AUTO, which picks them by the instruction sets the CPU has, and keeps each result the
+# same from run to run on the machine. On a 2-core AMD EPYC with AVX2 only, SmolLM2-135M's sampling calls took
+# 0.65-0.75x the time at 16 rows and 0.75-0.85x at 64, its training forward and backward the same time
+# (bench/mkl_branch.py, docs/benchmarks.md). Read at MKL's first call; a value set in the environment wins
+# (`MKL_CBWR=` keeps MKL's default). Intel's CPUs keep MKL's default; AMD's with AVX-512 were not measured.
+_MKL_BRANCH = mkl_branch(_cpuinfo())
+if _MKL_BRANCH:
+    os.environ.setdefault("MKL_CBWR", _MKL_BRANCH)
 
 
 def release_free_memory():

@@ -1,4 +1,5 @@
 """Shared test helpers: tiny random models of each architecture, saved by `transformers`."""
+import importlib
 import os
 import shutil
 
@@ -9,6 +10,10 @@ if not shutil.which("nvidia-smi"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# the CPU libraries' settings every run makes (MKL's branch on a CPU not made by Intel): before any test's first
+# matmul, so that this process computes as the runs it starts do
+importlib.import_module("common.memory")
 
 # A test parametrised over DEVICES runs on the CPU everywhere and on CUDA where there is a GPU (CI has none: skipped
 # there with the reason; the GPU path is what a GPU run of the trainer and sampler takes)

@@ -16,6 +16,7 @@ MISTAKES = {
     "bench/gpu.py": ["--bogus"],
     "bench/kernels.py": ["-n", "0"],
     "bench/mechanisms.py": ["nowhere"],
+    "bench/mkl_branch.py": ["--n", "4,x"],
     "bench/options.py": ["--only", "nothing"],
     "bench/phase_memory.py": ["ppo"],
     "bench/same_run.py": ["nowhere"],

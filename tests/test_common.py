@@ -103,3 +103,38 @@ def test_the_onednn_primitive_caches_are_capped_before_the_algorithm_files_run(p
     out = subprocess.run([sys.executable, "-c", code], cwd=COMMON.parent, env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == [preset or "64"] * 2
+
+
+@pytest.mark.parametrize("cpuinfo, branch", [("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\n", "AUTO"),
+                                             ("vendor_id\t: HygonGenuine\n", "AUTO"),
+                                             ("processor\t: 0\nvendor_id\t: GenuineIntel\n", None),
+                                             ("", None)])
+def test_mkl_takes_its_instruction_set_branch_on_cpus_not_made_by_intel(cpuinfo, branch):
+    """Fails if Intel's CPUs lose MKL's default, or AMD's keep it (common/memory.py: its slower kernels there)."""
+    assert memory.mkl_branch(cpuinfo) == branch
+
+
+def _first_sgemm_cnr(env: dict) -> str:
+    """The CNR mode MKL reports (MKL_VERBOSE) for the first matmul of a process that imports the five files."""
+    code = "import grpo, exgrpo, xrpo, extra, eapo, torch; torch.ones(64, 64) @ torch.ones(64, 64)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=COMMON.parent, env={**env, "MKL_VERBOSE": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    return next((word for line in out.splitlines() if "GEMM" in line for word in line.split() if word.startswith("CNR:")),
+                "no MKL line")
+
+
+@pytest.mark.parametrize("preset", [None, ""])
+def test_mkls_branch_is_set_before_its_first_call_and_a_users_value_wins(preset):
+    """On this machine's CPU: MKL runs the branch common/memory.py chose for it (or MKL's default, CNR:OFF, when the
+    user set MKL_CBWR empty). Fails where the setting comes after MKL's first call (MKL would not read it), where it
+    overrides the user's value, or where an Intel CPU is moved off MKL's default."""
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this PyTorch is not built with MKL (the setting is MKL's only)")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    if preset is not None:
+        env["MKL_CBWR"] = preset
+    with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
+        chosen = memory.mkl_branch(f.read(1 << 16))
+    assert _first_sgemm_cnr(env) == ("CNR:AUTO" if chosen and preset is None else "CNR:OFF")
