@@ -68,9 +68,9 @@ def _cpuinfo() -> str:
 
 # MKL, PyTorch's BLAS on x86, takes slower kernels on CPUs not made by Intel than its mode of conditional numerical
 # reproducibility does: MKL_CBWR=AUTO, which picks them by the instruction sets the CPU has, and keeps each result the
-# same from run to run on the machine. On a 2-core AMD EPYC with AVX2 only, SmolLM2-135M's sampling calls took
-# 0.65-0.75x the time at 16 rows and 0.75-0.85x at 64, its training forward and backward the same time
-# (bench/mkl_branch.py, docs/benchmarks.md). Read at MKL's first call; a value set in the environment wins
+# same from run to run on the machine. On a 2-core AMD EPYC with AVX2 only, grpo.py's sampling calls took 0.76-0.85x
+# the time, a greedy evaluation call 0.91x, a training pass 0.97x (bench/mkl_branch.py), and its default run 0.96x
+# (docs/benchmarks.md). Read at MKL's first call; a value set in the environment wins
 # (`MKL_CBWR=` keeps MKL's default). Intel's CPUs keep MKL's default; AMD's with AVX-512 were not measured.
 _MKL_BRANCH = mkl_branch(_cpuinfo())
 if _MKL_BRANCH:
