@@ -90,13 +90,12 @@ def release_free_memory():
 @contextmanager
 def heap_temporaries(threshold: int = 64 << 20):
     """Inside, blocks under `threshold` bytes come from the heap, not from mmap; after, the fixed threshold again.
-    A block taken from mmap is zero-filled page by page when first written
-    (a page fault per 4 KB) and unmapped when freed, and a decode step allocates a dozen [rows, vocabulary]
-    temporaries (25 MB each at 128 rows), so under the fixed threshold every token paid those faults again: grpo.py's
-    sampling call of 128 rows takes 0.90x the time from the heap, one of 64 rows 0.95x (bench/sampler_heap.py). The
-    caller hands freed pages back now and then and once it has dropped its temporaries (release_free_memory), so
-    that they do not pile up. The trainer keeps
-    the fixed threshold: its update is a run's peak, and what the heap would save it is unsettled (--train there)."""
+    A block taken from mmap is zero-filled page by page when first written (a page fault per 4 KB) and unmapped when
+    freed, and a decode step allocates a dozen [rows, vocabulary] temporaries (25 MB each at 128 rows), so under the
+    fixed threshold every token paid those faults again: grpo.py's sampling call of 128 rows takes 0.90x the time
+    from the heap, one of 64 rows 0.95x (bench/sampler_heap.py). The caller hands freed pages back now and then and
+    once it has dropped its temporaries (release_free_memory), so that they do not pile up. The trainer keeps the
+    fixed threshold: its update is a run's peak, and what the heap would save it is unsettled (--train there)."""
     if not _MALLOPT:
         yield
         return

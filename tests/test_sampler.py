@@ -491,7 +491,8 @@ def test_sampling_attention_leaves_out_cudnn_on_cuda_only():
 def test_a_cpu_sampling_call_takes_its_temporaries_from_the_heap_and_sets_the_threshold_back(tiny, monkeypatch):
     """Fails when generate() on a CPU does not raise glibc's mmap threshold around its decode loop (every decode
     step would page-fault its [rows, vocabulary] temporaries in again: bench/sampler_heap.py), leaves it raised for
-    the trainer, does not hand the freed pages back after, raises it beside a companion, or when the call's samples depend on where their memory came from."""
+    the trainer, does not hand the freed pages back after, raises it beside a companion, or when the call's samples
+    depend on where their memory came from."""
     from common import memory
     from conftest import RecordingLibc
 
