@@ -2,10 +2,14 @@
 
     python bench/phase_memory.py eapo -- --prior runs/prior/checkpoint --steps 3 --eval-size 20 --dtype float32
     python bench/phase_memory.py grpo -- --steps 2 --dtype float32
+    python bench/phase_memory.py eapo --joint -- --prior runs/prior/checkpoint --steps 2 --eval-size 20 --dtype float32
 
 Runs `<algo>.py` in this process with its `generate`, `update` and `evaluate` wrapped, and prints before and after
 each call this process's current RSS, its peak so far (VmHWM) and the anonymous / file-backed parts (Linux: read from
 /proc/self/status; GB of 10^9 bytes). A jump of the peak inside a call is that phase's.
+
+--joint (eapo only): sample a step's augmented and ordinary completions in one call on a CPU too, as eapo.py does
+on a GPU, where π_RL stays loaded: what its split into two calls saves of the peak (docs/eapo.md).
 """
 import importlib
 import sys
@@ -41,11 +45,16 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS or not Path("/proc/self/status").is_file():
         fail(f"bench/phase_memory.py: expected an algorithm among {', '.join(ALGOS)} (and Linux's /proc), "
              f"then -- and its options")
+    joint = "--joint" in sys.argv[2:sys.argv.index("--") if "--" in sys.argv else len(sys.argv)]
+    if joint and sys.argv[1] != "eapo":
+        fail("bench/phase_memory.py: --joint is eapo's (its one sampling call with π_RL on a CPU)")
     module = importlib.import_module(sys.argv[1])
+    if joint:  # the GPU's path: π_RL beside all G rows in one call (PriorWeights.apart decides it)
+        module.PriorWeights.apart = property(lambda self: False)
     for name in ("generate", "update", "evaluate"):
         if hasattr(module, name):
             setattr(module, name, wrapped(name, getattr(module, name)))
-    main_guard(lambda: module.main([a for a in sys.argv[2:] if a != "--"]))  # a bad option: one line, exit 2
+    main_guard(lambda: module.main([a for a in sys.argv[2:] if a not in ("--", "--joint")]))  # a bad option: one line, exit 2
 
 
 if __name__ == "__main__":

@@ -143,6 +143,23 @@ def test_phase_memory_reports_each_phase(tmp_path, tiny_model_dir):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "algorithm" in bad.stderr
 
 
+def test_phase_memory_joint_samples_eapos_step_in_one_call(tmp_path, tiny_model_dir):
+    """bench/phase_memory.py eapo --joint: the injecting step samples in one call (eapo.py's GPU path) where the CPU
+    default makes two (augmented, then ordinary); after τ's calibration call, 1 sampling call against 2. --joint
+    with another file is a one-line error. Catches a flag that does not reach PriorWeights.apart."""
+    def calls(*flags):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "eapo", *flags, "--", "--model",
+                            str(tiny_model_dir), "--prior", str(tiny_model_dir), "--run-name", "pm" + "".join(flags), *TINY],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.count("before generate:")
+
+    assert (calls(), calls("--joint")) == (3, 2)
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "grpo", "--joint"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--joint" in bad.stderr
+
+
 def test_mechanisms_sums_each_files_own_metrics(tmp_path):
     """bench/mechanisms.py: one line per variant run from its metrics (sums over steps, first step of replay, λ's
     last step), none for grpo.py; no run folder is a one-line error. Catches a line that reads one step only."""
