@@ -45,7 +45,9 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS or not Path("/proc/self/status").is_file():
         fail(f"bench/phase_memory.py: expected an algorithm among {', '.join(ALGOS)} (and Linux's /proc), "
              f"then -- and its options")
-    joint = "--joint" in sys.argv[2:sys.argv.index("--") if "--" in sys.argv else len(sys.argv)]
+    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    ours, theirs = sys.argv[2:split], sys.argv[split + 1:]  # this script's flags, then the algorithm file's options
+    joint = "--joint" in ours
     if joint and sys.argv[1] != "eapo":
         fail("bench/phase_memory.py: --joint is eapo's (its one sampling call with π_RL on a CPU)")
     module = importlib.import_module(sys.argv[1])
@@ -54,7 +56,7 @@ def main():
     for name in ("generate", "update", "evaluate"):
         if hasattr(module, name):
             setattr(module, name, wrapped(name, getattr(module, name)))
-    main_guard(lambda: module.main([a for a in sys.argv[2:] if a not in ("--", "--joint")]))  # a bad option: one line, exit 2
+    main_guard(lambda: module.main([a for a in ours if a != "--joint"] + theirs))  # a bad option: one line, exit 2
 
 
 if __name__ == "__main__":

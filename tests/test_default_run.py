@@ -148,9 +148,10 @@ def test_phase_memory_joint_samples_eapos_step_in_one_call(tmp_path, tiny_model_
     default makes two (augmented, then ordinary); after τ's calibration call, 1 sampling call against 2. --joint
     with another file is a one-line error. Catches a flag that does not reach PriorWeights.apart."""
     def calls(*flags):
-        r = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "eapo", *flags, "--", "--model",
-                            str(tiny_model_dir), "--prior", str(tiny_model_dir), "--run-name", "pm" + "".join(flags), *TINY],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        options = ["--model", str(tiny_model_dir), "--prior", str(tiny_model_dir), "--run-name", "pm" + "".join(flags)]
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "phase_memory.py"), "eapo", *flags, "--", *options,
+                            *TINY], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.count("before generate:")
 
