@@ -178,10 +178,16 @@ def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False, keys=Non
     todo = list(range(U)) if reuse is None else [u for u in range(U) if keys[u] not in reuse]
     if len(todo) == U:
         prefill(model, ids, pmask, cache, shared)
-    elif todo:  # only the prompts not seen before; their common start is still common
-        part = model.new_cache(len(todo), W)
-        prefill(model, ids[todo], pmask[todo], part, shared)
-        cache.k[:, todo, :, :W], cache.v[:, todo, :, :W] = part.k, part.v
+    elif todo:  # only the prompts not seen before, in a layout of their own: their common start may be longer than
+        # all prompts' (XRPO's in-context prompts share their task and tags, the plain prompts only the system turn),
+        # and it goes through the model once. A token's keys and values depend on its position, not on its column
+        part_ids, part_mask, part_shared = _prompt_layout([list(keys[u][:-1]) for u in todo], ids.device)
+        part = model.new_cache(len(todo), part_ids.shape[1])
+        prefill(model, part_ids, part_mask, part, part_shared)
+        for i, u in enumerate(todo):
+            cols, part_cols = pmask[u].nonzero()[:, 0], part_mask[i].nonzero()[:, 0]
+            cache.k[:, u].index_copy_(2, cols, part.k[:, i].index_select(2, part_cols))
+            cache.v[:, u].index_copy_(2, cols, part.v[:, i].index_select(2, part_cols))
     for u in range(U if reuse is not None else 0):  # a prompt's keys and values at its real (unpadded) columns
         cols = pmask[u].nonzero()[:, 0]
         if keys[u] in reuse:
@@ -286,12 +292,7 @@ def generate(model, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0
     # models' caches and temporaries make that call a run's peak (EAPO's), and the heap would add to it
     heap = heap_temporaries() if dev.type == "cpu" and companion is None else nullcontext()
     with torch.inference_mode(), _attention_kernels(dev), heap:
-        # the distinct prompts without their last token: the start all of them share, then each one's rest,
-        # left-padded (padding in the middle of a row is fine: positions count real tokens)
-        C = _common_prefix_len([p[:-1] for p in uniq])
-        ids, pmask = _left_pad([p[C:-1] for p in uniq], W - C, dev)  # [U, W - C]
-        head = torch.tensor(next(iter(uniq))[:C], dtype=torch.long, device=dev).expand(len(uniq), C)
-        ids, pmask = torch.cat((head, ids), 1), torch.cat((torch.ones_like(head, dtype=torch.bool), pmask), 1)  # [U, W]
+        ids, pmask, C = _prompt_layout([p[:-1] for p in uniq], dev)  # [U, W]: the distinct prompts but their last token
         seg, smask = _left_pad([[prompts[owner[s]][-1], *pre[s]] for s in range(S)], L + 1, dev)  # [S, L+1]
         sel = torch.tensor(urow, device=dev)
         cache = _prompt_cache(model, ids, pmask, C, sel, max_len, plain=compile, keys=list(uniq), reuse=prompt_kv)
@@ -471,6 +472,16 @@ def _common_prefix_len(seqs) -> int:
     for other in seqs[1:]:
         n = next((i for i in range(n) if other[i] != first[i]), n)
     return n
+
+
+def _prompt_layout(seqs, dev):
+    """Prompts (id lists) -> (ids, mask [N, W] with W the longest, shared): the start all of them share in columns
+    0..shared-1, then each one's rest, left-padded (padding in the middle of a row is fine: positions count real
+    tokens)."""
+    C, W = _common_prefix_len(seqs), max(map(len, seqs))
+    ids, mask = _left_pad([s[C:] for s in seqs], W - C, dev)  # [N, W - C]
+    head = torch.tensor(seqs[0][:C], dtype=torch.long, device=dev).expand(len(seqs), C)
+    return torch.cat((head, ids), 1), torch.cat((torch.ones_like(head, dtype=torch.bool), mask), 1), C
 
 
 def _left_pad(seqs, width, dev):

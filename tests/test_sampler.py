@@ -453,6 +453,28 @@ def test_prompt_kv_reuse_equals_a_fresh_prefill(tiny, monkeypatch, compile_path)
     assert len(kv) == 3
 
 
+def test_prompt_kv_new_prompts_share_their_own_common_start(tiny, monkeypatch):
+    """With prompt_kv, the prompts not seen before are prefilled in a layout of their own: the start they share
+    (longer than the one all prompts share, as XRPO's in-context prompts beside plain ones) goes through the model
+    once, and every sample still decodes and scores as with a fresh prefill of all the prompts."""
+    model, _ = tiny["qwen2"]
+    head, task = rand_prompts([4, 7], seed=21)
+    prompts = [head + rest for rest in rand_prompts([5, 3], seed=22)]
+    prompts += [head + task + rest for rest in rand_prompts([6, 2], seed=23)]  # new ones: head + task in common
+    kv = {}
+    generate(model, prompts[:2], n=2, max_new_tokens=3, temperature=0.9, stop_ids=(), seed=1, prompt_kv=kv)
+    calls = []
+    real_prefill = sampler.prefill
+    monkeypatch.setattr(sampler, "prefill", lambda m, ids, mask, cache, shared=0: calls.append((len(ids), shared))
+                        or real_prefill(m, ids, mask, cache, shared))
+    kw = dict(n=[2, 1, 3, 2], max_new_tokens=8, temperature=0.9, stop_ids=(), seed=5)
+    again = generate(model, prompts, prompt_kv=kv, **kw)
+    assert calls == [(2, len(head) + len(task))]  # the two new prompts, their common start once
+    fresh = generate(model, prompts, **kw)
+    assert [[s.tokens for s in g] for g in again] == [[s.tokens for s in g] for g in fresh]
+    check_scores(model, prompts, again, 0.9)
+
+
 def test_length_groups_bound_the_padding():
     """Rows of similar length share a group; a group pads no row below half its width."""
     assert sampler._length_groups([60, 64, 33]) == [([0, 1, 2], 64)]
