@@ -45,6 +45,21 @@ def test_sampling_calls_reports_each_call(capsys):
     assert "3 rows" in line and "2 prompts, longest    9, mean     7" in line and "9 generated" in line
 
 
+def test_sampling_calls_times_the_new_prompts_prefill_both_ways(tiny_model_dir):
+    """--prefill-layouts: a call with prompts partly in prompt_kv gets its new prompts' prefill timed in their own
+    layout (their longer common start) and in all the call's prompts' layout; other calls get nothing."""
+    from common.model import Transformer
+    calls = load("sampling_calls")
+    model = Transformer.from_pretrained(tiny_model_dir).eval()
+    head, task = list(range(10, 16)), list(range(40, 49))
+    plain, icl = [head + [1, 2, 3], head + [4, 5]], [head + task + [7, 8], head + task + [9]]
+    kv = {tuple(p): None for p in plain}
+    k, own, common, best = calls.prefill_layouts(model, plain + icl, [2, 1, 3, 2], kv)
+    assert (k, own, common) == (2, len(head) + len(task), len(head)) and best["own"] > 0 and best["all"] > 0
+    assert calls.prefill_layouts(model, plain + icl, [2, 1, 0, 0], kv) is None  # nothing new with samples
+    assert calls.prefill_layouts(model, icl, [1, 1], kv) is None  # all new: one ordinary prefill
+
+
 @pytest.mark.parametrize("argv, says", [
     (["sampler.py", "--reps", "0"], "--reps"), (["sampler.py", "--batches", "1,0"], "batch size"),
     (["kernels.py", "-V", "-5"], "-V"), (["decode_gemm.py", "--rows", "8,-4"], "--rows"),
