@@ -171,7 +171,7 @@ def _prompt_cache(model, ids, pmask, shared, sel, max_len, plain=False, keys=Non
     (docs/benchmarks.md, Memory). Otherwise, and for a compiled step (plain: one fixed layout), each prompt's rows are
     repeated for its samples; one-sample prompts (evaluation) gain nothing from sharing and would peak higher.
     reuse: generate's prompt_kv, keyed by keys[u] (prompt u's token tuple): prompts found there are copied, not
-    prefilled; the others are prefilled and stored there."""
+    prefilled; the others are prefilled (in a layout of their own, the start they share once) and stored there."""
     S, (U, W) = len(sel), ids.shape
     share = not plain and S > U and W > 0
     cache = model.new_cache(U, W if share else max_len)
