@@ -282,7 +282,7 @@ def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: i
 @dataclass
 class Trajectory:
     tokens: tuple  # the completion's token ids as sampled, its stop token if it stopped (replayed verbatim)
-    logp: torch.Tensor  # [len(tokens)] fp32 log π_θold of each token: the trainer's scoring pass when collected
+    logp: torch.Tensor  # [len(tokens)] fp32 log π_θold of each token: the trainer's (or its own sampler's) when collected
 
 
 class Experience:
@@ -454,8 +454,8 @@ def step_questions(exp: Experience, fresh: list, n: int, weights, gen: torch.Gen
 # ----------------------------------------------------------------------------- ExGRPO: which trajectory to replay
 
 def select_trajectories(model, exp: Experience, qids: list, contexts: list, micro_batch, pad_id, device, autocast,
-                        how: str = "mean", choice: str = "lowest-entropy", gen=None, temperature: float = 1.0
-                        ) -> list[Trajectory]:
+                        how: str = "mean", choice: str = "lowest-entropy", gen=None, temperature: float = 1.0,
+                        now_logp: list | None = None) -> list[Trajectory]:
     """For each drawn question, o* = its stored trajectory of lowest mean token entropy under the current policy,
     H̄(o) = (1/|o|) Σ_t H(π_θ(·|q, o_<t)) over the completion tokens (ExGRPO §3.2, §4.1), recomputed each time the
     question is drawn; at the sampling `temperature`, as the authors' code computes it (verl divides the logits by
@@ -463,7 +463,8 @@ def select_trajectories(model, exp: Experience, qids: list, contexts: list, micr
     qids[j]'s prompt. model: our choice, the sampling copy (the trainer itself in fp32 on one process; the authors
     score with the trainer): a bf16 copy may order near-ties otherwise.
     choice: highest-entropy takes the largest H̄ instead; random one stored trajectory uniformly (with gen), with no
-    forward (ExGRPO Table 6)."""
+    forward (ExGRPO Table 6). now_logp: a list that gets each chosen trajectory's log-probs under `model`, which the
+    forward computes beside the entropies (left empty under random)."""
     if choice == "random":
         return [exp.pool[q][int(torch.randint(len(exp.pool[q]), (), generator=gen))] for q in qids]
     cands = [(j, t) for j, q in enumerate(qids) for t in exp.pool[q]]
@@ -473,15 +474,17 @@ def select_trajectories(model, exp: Experience, qids: list, contexts: list, micr
               group=torch.arange(len(cands)), skip=torch.zeros(len(cands), dtype=torch.long),
               sampler_logp=torch.cat([t.logp for _, t in cands]), finished=torch.ones(len(cands), dtype=torch.bool),
               answer=[None] * len(cands))
-    _, entropy = trainer_logprobs(model, b, micro_batch, temperature, pad_id, device, autocast)
+    logp, entropy = trainer_logprobs(model, b, micro_batch, temperature, pad_id, device, autocast)
     # our choice: §3.2's mean over the completion's own tokens (Alg. 1 writes a mean NLL, the authors' code averages
     # summed entropies over a mask that does not line up with the completion)
     scores = [h.mean() if how == "mean" else h.sum() for h in entropy.split(b.lengths.tolist())]
     scores = [-h for h in scores] if choice == "highest-entropy" else scores
     best = {}
-    for (j, t), h in zip(cands, scores):
+    for (j, t), h, lp in zip(cands, scores, logp.split(b.lengths.tolist())):
         if j not in best or h < best[j][0]:  # a tie keeps the earlier-stored trajectory
-            best[j] = (h, t)
+            best[j] = (h, t, lp)
+    if now_logp is not None:
+        now_logp.extend(best[j][2] for j in range(len(qids)))
     return [best[j][1] for j in range(len(qids))]
 
 
@@ -878,11 +881,13 @@ def main(argv=None):
         qids, replay = step_questions(exp, stream.next(exp.retired), n, weights, gen)  # [B], replay[j]: from the buffer
         problems = [train[q] for q in qids]
         contexts = [tok.prompt(format_question(p)) for p in problems]
-        # (the choice's forward over stored trajectories is timed with the sampling, perf/sample_s)
+        # (the choice's forward over stored trajectories is timed with the sampling, perf/sample_s); now_logp gets the
+        # chosen ones' log-probs under the current policy from it
+        now_logp = []
         replayed = select_trajectories(rollout, exp, [q for q, r in zip(qids, replay) if r],
                                        [c for c, r in zip(contexts, replay) if r], cfg.micro_batch, tok.pad_id, device,
                                        autocast, cfg.trajectory_score, cfg.trajectory_choice, gen,
-                                       temperature=cfg.temperature)
+                                       temperature=cfg.temperature, now_logp=now_logp)
         with torch.no_grad(), autocast:
             groups = generate(rollout, contexts, n=[G - r for r in replay], max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=tok.stop_ids,
@@ -908,21 +913,28 @@ def main(argv=None):
             old_logp, _ = trainer_logprobs(model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
         if ref_model is not None:
             ref_logp, _ = trainer_logprobs(ref_model, b, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
-        # ExGRPO: the buffer keeps the trainer's log-probs of the correct rollouts it collects (§4.1): those rows are
-        # scored (and the replayed ones, for w*) unless the pass above scored all. our choice: at the sampling
-        # temperature, the one every ratio here uses (the paper samples at T = 1)
+        # ExGRPO: the buffer keeps the trainer's log-probs of the correct rollouts it collects (§4.1); w* needs the
+        # replayed rows' now. our choice: at the sampling temperature, which every ratio here uses (the paper's T = 1).
+        # Where the model samples itself (fp32, no FSDP2) both are at hand: the sampler's log-probs are the trainer's
+        # up to the kernels' rounding, the selection's forward scored the replayed rows. A bf16 copy's are not: scored
         groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], replay[j])
                   for j, q in enumerate(qids)]
         store = torch.tensor([s for marks in exp.to_store_step(groups, mixed) for s in marks])  # [N]
-        scored_logp = old_logp if old_logp is not None else scored_rows(
-            model, b, store | is_replay, cfg.micro_batch, cfg.temperature, tok.pad_id, device, autocast)
+        replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]
+        if old_logp is not None:  # the pass above scored every row
+            scored_logp = old_logp
+        elif rollout is model and len(now_logp) == len(replayed):
+            scored_logp = past_logp.clone()
+            scored_logp[replay_tok] = torch.cat([torch.zeros(0), *now_logp])
+        else:
+            scored_logp = scored_rows(model, b, store | is_replay, cfg.micro_batch, cfg.temperature, tok.pad_id, device,
+                                      autocast)
         tok_logps = scored_logp.split(b.lengths.tolist())
         # retire all-correct questions; collect once the delayed start has fired
         for j, (q, group_correct, completions, from_buffer) in enumerate(groups if replaying else []):
             exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed, replayed=from_buffer)
         # replayed rows carry their stored log-probs π_past as 'sampler' log-probs; they were not sampled now, so the
         # sampler-trainer mismatch (and TIS) sees the trainer's own there
-        replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]
         b.sampler_logp = torch.where(replay_tok, scored_logp, past_logp)
         t_score = time.time()
 

@@ -602,6 +602,49 @@ def test_smoke_main_replays_at_a_temperature(in_tmp, soft_model_dir, monkeypatch
     assert len(state) == 1 and state[0]["mixed"] and state[0]["buffer"]["pool"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_log_probs_for_the_buffer_and_w_without_a_scoring_pass_where_the_model_samples_itself(
+        in_tmp, soft_model_dir, monkeypatch, dtype):
+    """In fp32 the model samples itself: no scoring pass runs; the buffer stores the sampler's log-probs exactly, and
+    the replayed rows' current log-probs (w*'s, and the 'sampler' value TIS sees) are the selection forward's, equal
+    to the trainer's before the update. With a bf16 sampling copy the rows to store and replay are scored by the
+    trainer. Catches the selection's log-probs placed on the wrong replayed rows, a pass that still runs in fp32, and
+    a bf16 run storing its copy's log-probs."""
+    from common.batch import trainer_logprobs
+    scored, sampled, checked = [], {}, []
+    real_scored, real_update = exgrpo.scored_rows, exgrpo.update
+    monkeypatch.setattr(exgrpo, "scored_rows", lambda *a, **kw: scored.append(1) or real_scored(*a, **kw))
+
+    def spy_update(policy, model, optimizer, b, adv, cfg, *a, **kw):
+        starts = (torch.cumsum(b.lengths, 0) - b.lengths).tolist()
+        replayed = (kw.get("loss_kw") or {}).get("replayed")
+        rows = [i for i in range(len(b.tokens)) if replayed is not None and bool(replayed[starts[i]])]
+        if rows:  # the trainer's log-probs of the replayed rows now, before the update
+            sub = b.select(torch.tensor([i in rows for i in range(len(b.tokens))]))
+            now, _ = trainer_logprobs(model, sub, 4, cfg.temperature, 0, "cpu", torch.autocast("cpu", enabled=False))
+            at = torch.cat([torch.arange(starts[i], starts[i] + int(b.lengths[i])) for i in rows])
+            if dtype == "float32":  # (a bf16 copy's selection forward is not the trainer's: scored again instead)
+                torch.testing.assert_close(b.sampler_logp[at], now, atol=1e-5, rtol=0)
+            checked.append(len(rows))
+        for i in set(range(len(b.tokens))) - set(rows):
+            sampled.setdefault(tuple(b.tokens[i]), b.sampler_logp[starts[i]:starts[i] + int(b.lengths[i])].clone())
+        return real_update(policy, model, optimizer, b, adv, cfg, *a, **kw)
+
+    monkeypatch.setattr(exgrpo, "update", spy_update)
+    exgrpo.main(["--model", str(soft_model_dir), "--run-name", "own", "--steps", "4", "--start-acc", "-1",
+                 "--prompts-per-step", "4", *RUN[2:-2], "--dtype", dtype])
+    pool = trainer_state(in_tmp / "runs/own/checkpoint")["extra"]["exgrpo"][0]["buffer"]["pool"]
+    stored = [(tuple(tokens), logp) for ts in pool.values() for tokens, logp in ts]
+    assert stored
+    if dtype == "float32":
+        assert not scored and sum(checked) > 0
+        for tokens, logp in stored:  # exactly the sampler's
+            torch.testing.assert_close(logp, sampled[tokens], atol=0, rtol=0)
+    else:
+        assert scored  # the bf16 copy's log-probs differ from the trainer's: scored
+        assert any(not torch.equal(logp, sampled[tokens]) for tokens, logp in stored)
+
+
 def test_retirement_in_the_loop(in_tmp, soft_model_dir, monkeypatch):
     """From step 3 on every rollout is right: each question drawn at steps 3-4 is retired (issue 36 item 5), leaves the
     buffer and its bucket, and no retired question is replayed afterwards. Catches retirement disabled (no question
