@@ -282,7 +282,7 @@ def token_weights(n_loss: torch.Tensor, agg: str, max_new_tokens: int, n_seqs: i
 @dataclass
 class Trajectory:
     tokens: tuple  # the completion's token ids as sampled, its stop token if it stopped (replayed verbatim)
-    logp: torch.Tensor  # [len(tokens)] fp32 log π_θold of each token: the trainer's (or its own sampler's) when collected
+    logp: torch.Tensor  # [len(tokens)] fp32 log π_θold of each token when collected: the trainer's (or its sampler's)
 
 
 class Experience:
@@ -923,7 +923,7 @@ def main(argv=None):
         replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]
         if old_logp is not None:  # the pass above scored every row
             scored_logp = old_logp
-        elif rollout is model and len(now_logp) == len(replayed):
+        elif rollout is model and len(now_logp) == len(replayed):  # (under random choice no forward chose them)
             scored_logp = past_logp.clone()
             scored_logp[replay_tok] = torch.cat([torch.zeros(0), *now_logp])
         else:
