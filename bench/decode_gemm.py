@@ -10,7 +10,9 @@ machine's memory read rate (a sum over 512 MB) to hold them against. Random weig
 The last two columns time the same products in the other order, W @ x.T (the output [out, rows], read back
 transposed): the same numbers, but MKL is then asked for a GEMM whose small side is its m, not its n, and the two
 run at different speeds on some CPUs (MKL takes its generic kernels on non-Intel ones). The two orders are timed
-in turn, rep after rep, so that a change in the machine's speed falls on both.
+in turn, rep after rep, so that a change in the machine's speed falls on both. MKL's kernels are those the runs
+take: common/memory.py picks its branch on import (MKL_CBWR=AUTO on CPUs not made by Intel; `MKL_CBWR=` in front of
+the command keeps MKL's default kernels, as bench/mkl_branch.py compares).
 """
 import sys
 import time
@@ -20,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
+import common.memory  # noqa: E402,F401  (MKL's branch as the runs take it, set before MKL's first call)
 
 D, F, KV, V, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M: hidden, MLP, k/v width (3 heads x 64), vocabulary
 
