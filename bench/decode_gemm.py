@@ -14,6 +14,7 @@ in turn, rep after rep, so that a change in the machine's speed falls on both. M
 take: common/memory.py picks its branch on import (MKL_CBWR=AUTO on CPUs not made by Intel; `MKL_CBWR=` in front of
 the command keeps MKL's default kernels, as bench/mkl_branch.py compares).
 """
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
-import common.memory  # noqa: E402,F401  (MKL's branch as the runs take it, set before MKL's first call)
+
+importlib.import_module("common.memory")  # MKL's branch as the runs take it, set before MKL's first call
 
 D, F, KV, V, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M: hidden, MLP, k/v width (3 heads x 64), vocabulary
 
