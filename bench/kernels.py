@@ -7,12 +7,14 @@
 
 CPU: N = 4096 tokens, d = 576, V = 49,152 (SmolLM2's head), fp32. Each variant runs in its own
 process and reports its peak RSS (getrusage); a baseline process that only allocates the inputs is
-subtracted, so the numbers are the extra memory of forward + backward.
+subtracted, so the numbers are the extra memory of forward + backward. Every process takes the runs' MKL branch and
+malloc settings (common/memory.py: MKL_CBWR=AUTO on CPUs not made by Intel; `MKL_CBWR=` in front keeps MKL's default).
 GPU: N = 8192, V = 151,936 (Qwen), bf16: ours vs eager vs torch.compile, time (do_bench median),
 peak memory, bandwidth as a fraction of a device-to-device copy; the LM-head path too (d = 896).
 Numbers and commands are kept in docs/kernels.md.
 """
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -24,6 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.config import OneLineParser  # noqa: E402  (a user mistake: one line, exit 2)
+
+# MKL's branch and malloc's settings as the runs take them, set before MKL's first call (and in each variant's process)
+importlib.import_module("common.memory")
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
 
@@ -140,7 +145,7 @@ def gpu_tables(n=8192, vocab=151_936, d=896, device="cuda"):
             ms, peak = cuda_time_and_peak(fn, [logits])
             gbs = traffic / (ms / 1e3)
             print(f"{name:<15}{label:<10}{ms:>9.2f}{peak:>10.0f}{gbs / 1e9:>8.0f}{gbs / roof:>9.2f}")
-    del logits
+    logits = None  # its memory freed before the LM-head inputs are allocated
 
     hidden, weight, targets = lm_head_inputs(n, d, vocab, dtype, device)
     variants = {"ours (chunked)": kernels.linear_logprobs_entropy, "eager": naive_lm_head,

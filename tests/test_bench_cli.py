@@ -39,8 +39,8 @@ def test_a_mistake_is_one_line_and_exit_2(tool, tmp_path):
 # the tools that time a CPU's matmuls in their own process: each must take MKL's kernels as the runs do, which
 # common/memory.py picks when it is imported (MKL_CBWR=AUTO on CPUs not made by Intel; on a 2-core AMD EPYC with AVX2
 # only MKL's default kernels took 2x the time of a decode pass at 8 rows, a path no run takes)
-TIMES_CPU_MATMULS = ["bench/decode_gemm.py", "bench/default_run.py", "bench/extra_encoder.py", "bench/sampler.py",
-                     "bench/sampler_heap.py", "bench/sampling_calls.py", "bench/task_rates.py"]
+TIMES_CPU_MATMULS = ["bench/decode_gemm.py", "bench/default_run.py", "bench/extra_encoder.py", "bench/kernels.py",
+                     "bench/sampler.py", "bench/sampler_heap.py", "bench/sampling_calls.py", "bench/task_rates.py"]
 
 
 @pytest.mark.parametrize("tool", TIMES_CPU_MATMULS)
