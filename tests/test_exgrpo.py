@@ -627,7 +627,8 @@ def test_log_probs_for_the_buffer_and_w_without_a_scoring_pass_where_the_model_s
                 torch.testing.assert_close(b.sampler_logp[at], now, atol=1e-5, rtol=0)
             checked.append(len(rows))
         for i in set(range(len(b.tokens))) - set(rows):
-            sampled.setdefault(tuple(b.tokens[i]), []).append(b.sampler_logp[starts[i]:starts[i] + int(b.lengths[i])].clone())
+            logp_i = b.sampler_logp[starts[i]:starts[i] + int(b.lengths[i])].clone()  # a copy, not a view into b
+            sampled.setdefault(tuple(b.tokens[i]), []).append(logp_i)
         return real_update(policy, model, optimizer, b, adv, cfg, *a, **kw)
 
     monkeypatch.setattr(exgrpo, "update", spy_update)
