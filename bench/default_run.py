@@ -10,6 +10,7 @@ the seeds, each file's gain minus grpo.py's of the same seed and machine, mean �
     python bench/default_run.py --algo eapo           # EAPO's two commands: a grpo.py run of the seed, then eapo.py
     python bench/default_run.py --run runs/NAME       # only summarise a run that already exists
     python bench/default_run.py --run runs/NAME --held-out 500   # ... and re-evaluate it on 500 problems
+    python bench/default_run.py --run DIR/bench-eapo* --base eapo_tau100   # each run paired with another label's
     python bench/default_run.py --seeds 0 -- --dtype float32 --steps 20   # options after -- go to the file
     python bench/default_run.py --algo grpo,exgrpo --seeds 0 1 2 --jobs 6 -- --device cuda   # a GPU at once
 
@@ -17,6 +18,8 @@ EAPO needs a prior pi_RL: unless `--prior` is among the options after --, the ne
 of the same seed made by this script (runs/bench-grpo-s<seed>-*) is used, and one is made first if there is none.
 --jobs N runs up to N of the (algorithm, seed) runs at once, each child's output in runs/<its name>.log: for a GPU,
 where one small-model run leaves the device mostly idle; on a CPU it only makes the runs fight for the cores.
+--run's folders are labelled by their names, bench-<label>-s<seed>-*; --base LABEL pairs every run with the run of
+its seed labelled LABEL instead of grpo.py's: a file beside a control run of its own (eapo.py with nothing injected).
 
 The CPU's flags are printed with the table: a bf16 matmul runs ~900 GFLOP/s on 2 cores with AMX-BF16 and
 ~1 GFLOP/s with AVX2 only, so `--dtype auto` trains in bf16 on the first and fp32 on the second. Training FLOPs
@@ -195,14 +198,16 @@ def reevaluate(run: Path, size: int, start_acc: dict | None = None) -> tuple[flo
     return evals[0], evals[1]
 
 
-def overview(results: list, machine: str):
+def overview(results: list, machine: str, base: str = "grpo"):
     """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
     mean +- std of the gain and of that ratio over seeds per algorithm, under `machine`: the line that says which CPU
     made the runs. A run's grpo.py run is its "base" when it has one (--run: the one made beside it), else the last
-    grpo.py run of its seed given."""
+    grpo.py run of its seed given. base: the label of the runs the others pair with (--base: another label than grpo
+    pairs a file with a variant of its own, the "grpo" of every text below then that label)."""
     # the work a file's mechanism adds, beside grpo.py's of the seed: tokens through the training forward (what it
     # makes trainable) and tokens sampled (its rollouts are grpo.py's B x G; prefix and in-context prompts are extra)
-    grpo_runs = {seed: r for algo, seed, r in results if algo == "grpo"}
+    name, short = ("grpo.py", "grpo") if base == "grpo" else (base, base)
+    grpo_runs = {seed: r for algo, seed, r in results if algo == base}
     base_of = lambda seed, r: r.get("base") or grpo_runs.get(seed, {})  # noqa: E731
 
     def ratio(seed, r):
@@ -221,13 +226,13 @@ def overview(results: list, machine: str):
         return x * rate / base if x is not None and rate and base else None
 
     print(f"\n{machine}")
-    for seed in sorted({seed for algo, seed, _ in results if algo == "grpo"}):
-        n = sum(algo == "grpo" and s == seed for algo, s, _ in results)
+    for seed in sorted({seed for algo, seed, _ in results if algo == base}):
+        n = sum(algo == base and s == seed for algo, s, _ in results)
         if n > 1:  # the ratios then depend on the order the runs were given in: say which one they use
-            print(f"seed {seed}: {n} grpo.py runs; the ratios below are to the one made beside each run, "
+            print(f"seed {seed}: {n} {name} runs; the ratios below are to the one made beside each run, "
                   "else to the last one given")
-    print("\n| algorithm | seed | before -> after | gain | wall | wall / grpo | at grpo's matmul rate "
-          "| step: sample + score + train | peak RSS | trained tokens (x grpo) | sampled tokens (x grpo) "
+    print(f"\n| algorithm | seed | before -> after | gain | wall | wall / {short} | at {short}'s matmul rate "
+          f"| step: sample + score + train | peak RSS | trained tokens (x {short}) | sampled tokens (x {short}) "
           "| fp32 matmul before / after |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     two = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for algo, seed, r in results:
@@ -239,7 +244,7 @@ def overview(results: list, machine: str):
               f"{100 * (r['acc_after'] - r['acc_before']):+.1f} | {wall} | {rel} | {adjusted} | {split} | "
               f"{r['peak_rss_gb'] * 2 ** 30 / 1e9:.2f} x 10^9 B | {with_ratio(seed, r, 'train_tokens')} | "
               f"{with_ratio(seed, r, 'sampled_tokens')} | {rate} |")
-    work_table(results, base_of)
+    work_table(results, base_of, short)
     # over the seeds: the mean and the worst run, since a goal (a gain of at least 10 points, at most 1.2x grpo.py's
     # wall time, at most 3 x 10^9 B) is about every run
     # and the gain against grpo.py's run beside it (same seed, same machine), paired as bench/compare.py pairs them:
@@ -247,14 +252,14 @@ def overview(results: list, machine: str):
     from bench.compare import VERDICT_RULE, mean_se, verdict
 
     gain = lambda r: 100 * (r["acc_after"] - r["acc_before"])  # noqa: E731
-    print("\n| algorithm | runs | gain, mean ± std (points) | gain, lowest | gain - grpo.py's, paired: mean ± s.e. "
-          "| wall / grpo, mean (highest) | at grpo's matmul rate, mean | peak RSS, highest |"
+    print(f"\n| algorithm | runs | gain, mean ± std (points) | gain, lowest | gain - {name}'s, paired: mean ± s.e. "
+          f"| wall / {short}, mean (highest) | at {short}'s matmul rate, mean | peak RSS, highest |"
           "\n|---|---|---|---|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
         runs = [(s, r) for a, s, r in results if a == algo]
         gains = [gain(r) for _, r in runs]
         diffs = [gain(r) - gain(b) for s, r in runs if (b := base_of(s, r)) and b is not r and "acc_after" in b]
-        if algo == "grpo" or not diffs:
+        if algo == base or not diffs:
             paired = "-"
         else:
             m, se = mean_se(diffs)
@@ -266,10 +271,10 @@ def overview(results: list, machine: str):
         rss = max(r["peak_rss_gb"] for _, r in runs) * 2 ** 30 / 1e9
         print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {min(gains):+.1f} | {paired} | "
               f"{wall} | {two(statistics.fmean(adjusted) if adjusted else None)} | {rss:.2f} x 10^9 B |")
-    print(f"paired verdicts (better than grpo.py's gain) — {VERDICT_RULE}")
+    print(f"paired verdicts (better than {name}'s gain) — {VERDICT_RULE}")
 
 
-def work_table(results: list, base_of):
+def work_table(results: list, base_of, short: str = "grpo"):
     """Time per unit of work beside grpo.py's run of the seed: a file whose mechanism makes more of the batch
     trainable, or samples more, takes longer at the same rates. Sampling per sampled token, training per token
     through the training forward, the scoring phase per step; then the steps' time had the run done grpo.py's work
@@ -290,26 +295,27 @@ def work_table(results: list, base_of):
         rows.append(f"| {algo} | {seed} | {1e3 * s:.1f} ({s / s0:.2f}) | {score / r['steps']:.1f} | "
                     f"{1e3 * t:.1f} ({t / t0:.2f}) | {at_grpo_work / sum(base['phase_s'].values()):.2f} |")
     if rows:
-        print("\n| algorithm | seed | sampling, ms per sampled token (x grpo) | scoring, s a step "
-              "| training, ms per trained token (x grpo) | steps' time at grpo.py's token counts / grpo's |\n"
+        print(f"\n| algorithm | seed | sampling, ms per sampled token (x {short}) | scoring, s a step "
+              f"| training, ms per trained token (x {short}) | steps' time at {short}'s token counts / {short}'s |\n"
               "|---|---|---|---|---|---|")
         print("\n".join(rows))
 
 
-def pair_beside(results: list, predict_gflops: float):
+def pair_beside(results: list, predict_gflops: float, base: str = "grpo"):
     """--run: each run's base is the grpo.py run of its seed made beside it, in the same folder (read from there if
     it is not among the runs given), so that a ratio is always of two runs one after the other on one machine,
     however folders of different days are mixed; a grpo.py run is its own base. A folder with no grpo.py run of the
     seed: the last grpo.py run of the seed given that recorded the same CPU flags (not another processor's, whose
-    runs of a seed are other runs); with none, overview's rule (the last grpo.py run of the seed given)."""
+    runs of a seed are other runs); with none, overview's rule (the last grpo.py run of the seed given). base: the
+    label whose runs play grpo.py's part (--base)."""
     given = {Path(r["run"]).resolve(): r for _, _, r in results}
     for algo, seed, r in results:
-        if algo == "grpo":
+        if algo == base:
             r["base"] = r
             continue
-        beside = sorted(p for p in Path(r["run"]).parent.glob(f"bench-grpo-s{seed}-*") if (p / "metrics.jsonl").is_file())
+        beside = sorted(p for p in Path(r["run"]).parent.glob(f"bench-{base}-s{seed}-*") if (p / "metrics.jsonl").is_file())
         if not beside:
-            same_cpu = [g for a, s, g in results if a == "grpo" and s == seed and r["cpu_flags"]
+            same_cpu = [g for a, s, g in results if a == base and s == seed and r["cpu_flags"]
                         and g["cpu_flags"] == r["cpu_flags"]]
             if same_cpu:
                 r["base"] = same_cpu[-1]
@@ -400,6 +406,9 @@ def main():
     p.add_argument("--jobs", type=int, default=1, help="runs at once (for a GPU; 1 on a CPU)")
     p.add_argument("--held-out", type=int, default=0,
                    help="with --run: also evaluate the start model and the checkpoint greedily on this many held-out problems")
+    p.add_argument("--base", default="grpo",
+                   help="with --run: the label (folders bench-<label>-s<seed>-*) whose run of a seed the others pair with: "
+                        "grpo, or e.g. eapo_tau100 to set eapo.py's runs beside its own control runs")
     p.add_argument("--predict-gflops", type=float, default=111.0,
                    help="matmul rate for the time prediction (111: fp32 on 2 cores of an AVX2-only AMD EPYC)")
     args, rest = p.parse_known_args()
@@ -421,7 +430,10 @@ def main():
                                       m.get("cpu_flags"))))
             if args.held_out:
                 reevaluate(run, args.held_out, start_acc)
-        pair_beside(results, args.predict_gflops)
+        if args.base != "grpo" and not any(algo == args.base for algo, _, _ in results) and not any(
+                next(Path(r["run"]).parent.glob(f"bench-{args.base}-s*"), None) for _, _, r in results):  # a typo
+            p.error(f"--base: no run labelled {args.base!r} among --run (folders bench-{args.base}-s<seed>-*)")
+        pair_beside(results, args.predict_gflops, args.base)
         # seed by seed, each in the order of ALGOS (a shell glob gives them by name)
         results.sort(key=lambda x: (x[1], ALGOS.index(x[0]) if x[0] in ALGOS else len(ALGOS)))
         # --run reads runs made anywhere: the flags they recorded (bench.json), never this machine's as theirs
@@ -432,7 +444,7 @@ def main():
                        f"({len(flags) - flags.count(None)} of the {len(flags)} runs recorded them)")
         else:
             machine = f"machine: not recorded in the runs (this machine's CPU flags: {cpu_flags()})"
-        return overview(results, machine)
+        return overview(results, machine, args.base)
     algos = list(ALGOS) if args.algo == "all" else [a for a in args.algo.split(",") if a]
     for a in algos:
         if a not in ALGOS:

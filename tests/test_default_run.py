@@ -271,6 +271,37 @@ def test_run_without_grpo_beside_takes_the_same_cpus_grpo_run(tmp_path):
     assert "| +5.0: undecided |" in summary, summary  # +20 against +15, not against +5
 
 
+def test_run_pairs_with_another_label_under_base(tmp_path):
+    """--run --base LABEL: every run pairs with the run of its seed labelled LABEL (in its own folder, else the one
+    given), not with grpo.py's: eapo.py beside its own control runs (nothing injected). A label no folder has is a
+    one-line error."""
+    def fake(folder, label, seed, after, wall):
+        run = tmp_path / folder / f"bench-{label}-s{seed}-20261130-000000"
+        run.mkdir(parents=True)
+        step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
+                "reward/mean": 0.5, "perf/train_fwd_tokens": 100, "perf/sampled_tokens": 100}
+        rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": after}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": "avx2"}))
+        return run
+    runs = [fake("a", "grpo", 0, 0.45, 400.0), fake("a", "eapo", 0, 0.35, 500.0), fake("a", "grpo", 1, 0.40, 400.0),
+            fake("a", "eapo", 1, 0.45, 600.0), fake("b", "eapo_tau100", 0, 0.40, 450.0)]
+    fake("a", "eapo_tau100", 1, 0.30, 480.0)  # not given: read from beside eapo.py's seed-1 run
+    out = bench(tmp_path, "--run", *map(str, runs), "--base", "eapo_tau100")
+    rows = {(r[0][2:], r[1]): r for r in (line.split(" | ") for line in out.splitlines() if " -> " in line)}
+    # seed 0: 500 / 450 against the control given; seed 1: 600 / 480 against the one beside it; grpo.py's too
+    assert rows["eapo", "0"][5] == "1.11" and rows["eapo", "1"][5] == "1.25" and rows["grpo", "0"][5] == "0.89", rows
+    summary = next(line for line in out.splitlines() if line.startswith("| eapo | 2 | "))
+    assert "| +5.0 ± 10.0: undecided |" in summary, summary  # +10 - +15 = -5 and +20 - +5 = +15
+    assert "| grpo | 2 | +17.5 ± 3.5 | +15.0 | +7.5 ± 2.5: supported |" in out  # grpo.py too pairs with the control
+    assert "gain - eapo_tau100's, paired" in out and "paired verdicts (better than eapo_tau100's gain)" in out
+    out = bench(tmp_path, "--run", *map(str, runs))  # the default base: grpo.py's, as before
+    assert "| eapo | 2 | " in out and "| -2.5 ± 7.5: undecided |" in out, out  # -10 and +5
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), "--run", str(runs[1]), "--base", "eapo_t"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--base" in r.stderr, r.stderr
+
+
 def test_summary_gives_each_files_mean_and_worst_run(capsys):
     """The table over seeds: the mean gain and the lowest, the gain minus grpo.py's of the same seed (mean ± s.e.,
     with compare.py's verdict), the mean wall ratio and the highest, the highest peak RSS (a goal holds for every
