@@ -313,7 +313,8 @@ def pair_beside(results: list, predict_gflops: float, base: str = "grpo"):
         if algo == base:
             r["base"] = r
             continue
-        beside = sorted(p for p in Path(r["run"]).parent.glob(f"bench-{base}-s{seed}-*") if (p / "metrics.jsonl").is_file())
+        folder = Path(r["run"]).parent
+        beside = sorted(p for p in folder.glob(f"bench-{base}-s{seed}-*") if (p / "metrics.jsonl").is_file())
         if not beside:
             same_cpu = [g for a, s, g in results if a == base and s == seed and r["cpu_flags"]
                         and g["cpu_flags"] == r["cpu_flags"]]
@@ -407,8 +408,8 @@ def main():
     p.add_argument("--held-out", type=int, default=0,
                    help="with --run: also evaluate the start model and the checkpoint greedily on this many held-out problems")
     p.add_argument("--base", default="grpo",
-                   help="with --run: the label (folders bench-<label>-s<seed>-*) whose run of a seed the others pair with: "
-                        "grpo, or e.g. eapo_tau100 to set eapo.py's runs beside its own control runs")
+                   help="with --run: the label (folders bench-<label>-s<seed>-*) whose run of a seed the others pair "
+                        "with: grpo, or e.g. eapo_tau100 to set eapo.py's runs beside its own control runs")
     p.add_argument("--predict-gflops", type=float, default=111.0,
                    help="matmul rate for the time prediction (111: fp32 on 2 cores of an AVX2-only AMD EPYC)")
     args, rest = p.parse_known_args()

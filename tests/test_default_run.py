@@ -297,8 +297,8 @@ def test_run_pairs_with_another_label_under_base(tmp_path):
     assert "gain - eapo_tau100's, paired" in out and "paired verdicts (better than eapo_tau100's gain)" in out
     out = bench(tmp_path, "--run", *map(str, runs))  # the default base: grpo.py's, as before
     assert "| eapo | 2 | " in out and "| -2.5 ± 7.5: undecided |" in out, out  # -10 and +5
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), "--run", str(runs[1]), "--base", "eapo_t"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "default_run.py"), "--run", str(runs[1]),
+                        "--base", "eapo_t"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--base" in r.stderr, r.stderr
 
 
