@@ -225,18 +225,24 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
 
 
 
+def fake_run(folder, label, seed, after, wall, flags="avx2", trained=100):
+    """A finished run's folder as bench/default_run.py --run reads it: folder/bench-<label>-s<seed>-<time>/ with one
+    step's metrics, held-out accuracy 0.25 -> after, and its bench.json (wall time, peak RSS, CPU flags)."""
+    run = folder / f"bench-{label}-s{seed}-20261130-000000"
+    run.mkdir(parents=True)
+    step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
+            "reward/mean": 0.5, "perf/train_fwd_tokens": trained, "perf/sampled_tokens": 100}
+    rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": after}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": flags}))
+    return run
+
+
 def test_run_takes_each_ratio_to_the_grpo_run_made_beside_it(tmp_path):
     """--run over folders of two sessions: each run's wall ratio and token ratio are to the grpo.py run of its seed
     in its own folder, read from there when it is not given; not to the last grpo.py run given."""
     def fake(folder, algo, wall, trained, flags="avx2"):
-        run = tmp_path / folder / f"bench-{algo}-s0-20261128-000000"
-        run.mkdir(parents=True)
-        step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
-                "reward/mean": 0.5, "perf/train_fwd_tokens": trained, "perf/sampled_tokens": 100}
-        rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": 0.4}]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": flags}))
-        return run
+        return fake_run(tmp_path / folder, algo, 0, 0.4, wall, flags, trained)
     old_grpo, old_xrpo = fake("a", "grpo", 400.0, 1000), fake("a", "xrpo", 600.0, 1500)
     fake("b", "grpo", 500.0, 2000)
     new_xrpo = fake("b", "xrpo", 550.0, 3000, flags="amx_bf16 avx2")  # another machine: each folder pairs its own
@@ -254,14 +260,7 @@ def test_run_without_grpo_beside_takes_the_same_cpus_grpo_run(tmp_path):
     gain are to the grpo.py run of the seed that recorded the same CPU flags, not to another processor's run that
     happens to be given last."""
     def fake(folder, algo, wall, after, flags):
-        run = tmp_path / folder / f"bench-{algo}-s0-20261129-000000"
-        run.mkdir(parents=True)
-        step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
-                "reward/mean": 0.5, "perf/train_fwd_tokens": 100, "perf/sampled_tokens": 100}
-        rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": after}]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": flags}))
-        return run
+        return fake_run(tmp_path / folder, algo, 0, after, wall, flags)
     rerun = fake("c", "extra", 600.0, 0.45, "amx_bf16 avx2")
     same, other = fake("b", "grpo", 500.0, 0.40, "amx_bf16 avx2"), fake("a", "grpo", 400.0, 0.30, "avx2")
     out = bench(tmp_path, "--run", str(rerun), str(same), str(other))
@@ -276,14 +275,7 @@ def test_run_pairs_with_another_label_under_base(tmp_path):
     given), not with grpo.py's: eapo.py beside its own control runs (nothing injected). A label no folder has is a
     one-line error."""
     def fake(folder, label, seed, after, wall):
-        run = tmp_path / folder / f"bench-{label}-s{seed}-20261130-000000"
-        run.mkdir(parents=True)
-        step = {"step": 1, "perf/step_s": 10.0, "perf/sample_s": 4.0, "perf/score_s": 1.0, "perf/train_s": 5.0,
-                "reward/mean": 0.5, "perf/train_fwd_tokens": 100, "perf/sampled_tokens": 100}
-        rows = [{"step": 0, "eval/greedy_acc": 0.25}, step, {"step": 1, "eval/greedy_acc": after}]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run / "bench.json").write_text(json.dumps({"wall_s": wall, "peak_rss_gb": 2.5, "cpu_flags": "avx2"}))
-        return run
+        return fake_run(tmp_path / folder, label, seed, after, wall)
     runs = [fake("a", "grpo", 0, 0.45, 400.0), fake("a", "eapo", 0, 0.35, 500.0), fake("a", "grpo", 1, 0.40, 400.0),
             fake("a", "eapo", 1, 0.45, 600.0), fake("b", "eapo_tau100", 0, 0.40, 450.0)]
     fake("a", "eapo_tau100", 1, 0.30, 480.0)  # not given: read from beside eapo.py's seed-1 run
