@@ -198,17 +198,17 @@ def reevaluate(run: Path, size: int, start_acc: dict | None = None) -> tuple[flo
     return evals[0], evals[1]
 
 
-def overview(results: list, machine: str, base: str = "grpo"):
+def overview(results: list, machine: str, base_label: str = "grpo"):
     """One row per run (wall time also as a ratio to grpo.py's run of the same seed, when there is one), then the
     mean +- std of the gain and of that ratio over seeds per algorithm, under `machine`: the line that says which CPU
     made the runs. A run's grpo.py run is its "base" when it has one (--run: the one made beside it), else the last
-    grpo.py run of its seed given. base: the label of the runs the others pair with (--base: another label than grpo
-    pairs a file with a variant of its own, the "grpo" of every text below then that label)."""
+    grpo.py run of its seed given. base_label: the label of the runs the others pair with (--base: another label
+    than grpo pairs a file with a variant of its own, the "grpo" of every text below then that label)."""
     # the work a file's mechanism adds, beside grpo.py's of the seed: tokens through the training forward (what it
     # makes trainable) and tokens sampled (its rollouts are grpo.py's B x G; prefix and in-context prompts are extra)
-    name, short = ("grpo.py", "grpo") if base == "grpo" else (base, base)
-    grpo_runs = {seed: r for algo, seed, r in results if algo == base}
-    base_of = lambda seed, r: r.get("base") or grpo_runs.get(seed, {})  # noqa: E731
+    name, short = ("grpo.py", "grpo") if base_label == "grpo" else (base_label, base_label)
+    base_runs = {seed: r for algo, seed, r in results if algo == base_label}
+    base_of = lambda seed, r: r.get("base") or base_runs.get(seed, {})  # noqa: E731
 
     def ratio(seed, r):
         base = base_of(seed, r).get("wall_s")
@@ -226,8 +226,8 @@ def overview(results: list, machine: str, base: str = "grpo"):
         return x * rate / base if x is not None and rate and base else None
 
     print(f"\n{machine}")
-    for seed in sorted({seed for algo, seed, _ in results if algo == base}):
-        n = sum(algo == base and s == seed for algo, s, _ in results)
+    for seed in sorted({seed for algo, seed, _ in results if algo == base_label}):
+        n = sum(algo == base_label and s == seed for algo, s, _ in results)
         if n > 1:  # the ratios then depend on the order the runs were given in: say which one they use
             print(f"seed {seed}: {n} {name} runs; the ratios below are to the one made beside each run, "
                   "else to the last one given")
@@ -259,7 +259,7 @@ def overview(results: list, machine: str, base: str = "grpo"):
         runs = [(s, r) for a, s, r in results if a == algo]
         gains = [gain(r) for _, r in runs]
         diffs = [gain(r) - gain(b) for s, r in runs if (b := base_of(s, r)) and b is not r and "acc_after" in b]
-        if algo == base or not diffs:
+        if algo == base_label or not diffs:
             paired = "-"
         else:
             m, se = mean_se(diffs)
@@ -301,22 +301,22 @@ def work_table(results: list, base_of, short: str = "grpo"):
         print("\n".join(rows))
 
 
-def pair_beside(results: list, predict_gflops: float, base: str = "grpo"):
+def pair_beside(results: list, predict_gflops: float, base_label: str = "grpo"):
     """--run: each run's base is the grpo.py run of its seed made beside it, in the same folder (read from there if
     it is not among the runs given), so that a ratio is always of two runs one after the other on one machine,
     however folders of different days are mixed; a grpo.py run is its own base. A folder with no grpo.py run of the
     seed: the last grpo.py run of the seed given that recorded the same CPU flags (not another processor's, whose
-    runs of a seed are other runs); with none, overview's rule (the last grpo.py run of the seed given). base: the
-    label whose runs play grpo.py's part (--base)."""
+    runs of a seed are other runs); with none, overview's rule (the last grpo.py run of the seed given).
+    base_label: the label whose runs play grpo.py's part (--base)."""
     given = {Path(r["run"]).resolve(): r for _, _, r in results}
     for algo, seed, r in results:
-        if algo == base:
+        if algo == base_label:
             r["base"] = r
             continue
         folder = Path(r["run"]).parent
-        beside = sorted(p for p in folder.glob(f"bench-{base}-s{seed}-*") if (p / "metrics.jsonl").is_file())
+        beside = sorted(p for p in folder.glob(f"bench-{base_label}-s{seed}-*") if (p / "metrics.jsonl").is_file())
         if not beside:
-            same_cpu = [g for a, s, g in results if a == base and s == seed and r["cpu_flags"]
+            same_cpu = [g for a, s, g in results if a == base_label and s == seed and r["cpu_flags"]
                         and g["cpu_flags"] == r["cpu_flags"]]
             if same_cpu:
                 r["base"] = same_cpu[-1]

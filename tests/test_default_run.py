@@ -224,7 +224,6 @@ def test_overview_scales_the_wall_ratio_by_the_matmul_rates(capsys):
     assert [line.split(" | ")[5] for line in out.splitlines() if line.startswith("| xrpo | 0 |")] == ["1.20"]
 
 
-
 def fake_run(folder, label, seed, after, wall, flags="avx2", trained=100):
     """A finished run's folder as bench/default_run.py --run reads it: folder/bench-<label>-s<seed>-<time>/ with one
     step's metrics, held-out accuracy 0.25 -> after, and its bench.json (wall time, peak RSS, CPU flags)."""
