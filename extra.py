@@ -545,6 +545,9 @@ def response_tail(tokens: list[int], special: set[int], tail: int, head: int) ->
     return [t for t in tokens if t not in special][-tail:][:head]
 
 
+ROUNDING = 1e-3  # cosine distances at or below this are rounding, not novelty (unit rows, fp16 memory: up to ~1e-4)
+
+
 def novelty(group_emb: torch.Tensor, memory: torch.Tensor, n: int) -> torch.Tensor:
     """Cosine distance of each rollout to its nearest neighbour among the prompt's remembered rollouts and
     its siblings, never itself. group_emb [G, d], memory [m, d], unit rows -> d [G] in [0, 2]. Zero for the
@@ -554,7 +557,10 @@ def novelty(group_emb: torch.Tensor, memory: torch.Tensor, n: int) -> torch.Tens
         return torch.zeros(G)
     cos = group_emb @ torch.cat([memory, group_emb]).T  # [G, m + G]
     cos[torch.arange(G), m + torch.arange(G)] = float("-inf")  # a rollout is not its own neighbour
-    d = (1 - cos.max(dim=1).values).clamp(min=0)
+    d = 1 - cos.max(dim=1).values
+    # an exact repeat has d = 0 (§3.1); rounding (fp32 products, the fp16 memory) leaves it up to ~1e-4, which the
+    # bonus share and --dynamic-sampling's zero-advantage test would count as novel: distances that small are 0
+    d = torch.where(d > ROUNDING, d, 0.0)
     return d * (group_emb.norm(dim=1) > 0)  # an empty answer embeds to the zero vector: not novel either
 
 
@@ -676,14 +682,16 @@ def inject(contexts: list, answers: list, queue: list, k: int):
 
 
 def group_novelty(memories: dict, keys: list, group: torch.Tensor, emb: torch.Tensor, H: int) -> torch.Tensor:
-    """Novelty of every completion of the step, then each group's embeddings join its prompt's memory.
+    """Novelty of every completion of the step, then each prompt's embeddings join its memory.
     keys [n_groups] the prompt key of each group (its exact context ids), group [N], emb [N, d] -> d [N].
-    Groups are visited in order, so two rows of one prompt in a batch share (and feed) one memory."""
+    Groups of one prompt in a batch (a small pool draws a question twice) are one pool of siblings, scored against
+    the memory as it stood before the step, as the authors' code does: the prompt's first visit gets no bonus."""
     d = torch.zeros(len(group))
-    for g, key in enumerate(keys):
-        rows = (group == g).nonzero()[:, 0]
+    for key in dict.fromkeys(keys):
+        ids = torch.tensor([g for g, k in enumerate(keys) if k == key])
+        rows = torch.isin(group, ids).nonzero()[:, 0]
         memory = memories.get(key, torch.zeros(0, emb.shape[1])).float()
-        d[rows] = novelty(emb[rows], memory, n=len(rows))
+        d[rows] = novelty(emb[rows], memory, n=int((group == ids[0]).sum()))  # warm-up: one group's G (authors' n)
         memories[key] = remember(memory, emb[rows], H).half()  # our choice: fp16 storage, the memory is large at scale
     return d
 

@@ -211,8 +211,11 @@ def validate(cfg: Config):
     check(cfg.rounds >= 0 and (cfg.rounds > 0 or cfg.base_rollouts == cfg.group_size), "rounds",
           "a positive number of rounds (or 0 with base_rollouts = group_size: no dynamic budget)")
     check(cfg.alloc_lambda >= 0 and 0 < cfg.alloc_conf < 1, "alloc_lambda/alloc_conf", "λ >= 0 and a level in (0, 1)")
-    check(cfg.icl_shots >= 0 and cfg.icl_per_problem > 0, "icl_shots/icl_per_problem", "K >= 0 and a positive cap")
-    check(cfg.icl_init >= 0 and cfg.icl_init % dist.world() == 0, "icl_init", f"0 or a multiple of the world size {dist.world()}")
+    # K = 0 would seed no prompt and C_init without ICL would fill a corpus nothing reads: refuse both, not ignore
+    check((cfg.icl_shots >= 1 or not cfg.icl) and cfg.icl_per_problem > 0, "icl_shots/icl_per_problem",
+          "K >= 1 with ICL on (--no-icl turns seeding off) and a positive cap")
+    check(cfg.icl_init >= 0 and cfg.icl_init % dist.world() == 0 and (cfg.icl or cfg.icl_init == 0), "icl_init",
+          f"0 or a multiple of the world size {dist.world()}, and 0 under --no-icl")
     check(cfg.nov_lambda >= 0 and cfg.nov_kappa >= 0, "nov_lambda/nov_kappa", "non-negative numbers")
     check(not (cfg.nov_all_correct and cfg.dynamic_sampling), "nov_all_correct",
           "off with --dynamic-sampling (which drops the all-correct groups before any bonus)")

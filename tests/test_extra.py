@@ -178,6 +178,38 @@ def test_novelty_warmup_history_duplicates_and_self():  # property 4
     assert torch.equal(extra.group_novelty(memories, [("y",)], group, second, H), torch.zeros(n))
 
 
+def test_novelty_pools_a_prompts_groups_of_one_step():
+    """Two groups of one prompt in a step (a small pool draws a question twice) are one pool of siblings scored
+    against the memory before the step, as the authors' code does: on the first visit neither gets a bonus, and on
+    the next each row's nearest neighbour may lie in the other group (catches groups visited in order, the second
+    scored against the first's embeddings as if they were history)."""
+    g = torch.Generator().manual_seed(2)
+    n, H = 4, 16
+    group, keys, memories = torch.arange(2).repeat_interleave(n), [("x",), ("x",)], {}
+    first = unit(torch.randn(2 * n, 8, generator=g))
+    assert torch.equal(extra.group_novelty(memories, keys, group, first, H), torch.zeros(2 * n))
+    assert len(memories[("x",)]) == 2 * n
+    second = unit(torch.randn(2 * n, 8, generator=g))
+    second[0] = second[n]  # a row of group 0 repeats a row of group 1: its nearest sibling is in the other group
+    d = extra.group_novelty(memories, keys, group, second, H)
+    assert d[0] == 0 and d[n] == 0 and (d[1:n] > 0).all() and (d[n + 1:] > 0).all()
+
+
+def test_exact_repeats_are_not_novel_after_rounding():
+    """An answer equal to a remembered one has d = 0 exactly (§3.1), though its cosine to its fp16 copy in the memory
+    rounds below 1 about half the time (up to ~1e-4); rows a little apart keep their distance (catches d > 0 from
+    rounding, which the bonus share and --dynamic-sampling's zero-advantage test count as novel)."""
+    g = torch.Generator().manual_seed(3)
+    memories, group = {}, torch.zeros(64, dtype=torch.long)
+    seen = unit(torch.randn(64, 576, generator=g))
+    extra.group_novelty(memories, [("x",)], group, seen, 64)
+    again = extra.group_novelty(memories, [("x",)], group, seen, 128)
+    assert torch.equal(again, torch.zeros(64))
+    near = unit(seen + 0.1 * unit(torch.randn(64, 576, generator=g)))  # ~0.005 from its remembered twin
+    d = extra.novelty(near, memories[("x",)].float()[:64], 64)
+    assert (d > 0.002).all() and (d < 0.01).all(), d
+
+
 def test_embed_texts_frozen_centred(model):
     """The encoder's embeddings: a text seen before is not novel, a different one is; centred rows are unit length,
     an empty list stays the zero vector, and equal lists (embedded once) get the same row."""

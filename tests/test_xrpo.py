@@ -519,6 +519,8 @@ def test_smoke_main_on_tiny_model(tmp_path, monkeypatch, tiny_model_dir, options
     (["--alloc-conf", "95"], "alloc-conf"),
     (["--icl-max-len", "5"], "--icl-max-len"),
     (["--nov-all-correct", "--dynamic-sampling"], "--nov-all-correct"),
+    (["--icl-shots", "0"], "--icl-shots"),
+    (["--no-icl", "--icl-init", "4"], "--icl-init"),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, tiny_model_dir, args, option):
     from common.config import ConfigError
