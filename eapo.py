@@ -142,8 +142,9 @@ class Config:
 
 # Options a resumed run must share with the run it continues: they fix the data order and the model.
 RESUME_FIXED = ("seed", "task", "train_size", "prompts_per_step", "model")
-# and EAPO's experience: the prior and the schedule that takes its tokens
-EAPO_FIXED = ("prior", "lam0", "anneal_steps", "schedule", "augmented", "tau", "tau_quantile")
+# and EAPO's experience: the prior and the schedule that takes its tokens (τ is an entropy at the sampling
+# temperature, so another temperature would move the critical points under a saved τ)
+EAPO_FIXED = ("prior", "lam0", "anneal_steps", "schedule", "augmented", "tau", "tau_quantile", "temperature")
 
 
 def validate(cfg: Config):
@@ -509,8 +510,9 @@ def flat_extras(groups, keep_tok):
 
 def eapo_metrics(lam, tau, groups, aug, correct, prior_tok, omega) -> dict:
     """EAPO's diagnostics (its Fig. 2b logs the "resampled ratio", the share of augmented responses' tokens π_RL
-    decided: our injected_ratio; Fig. 2c the accuracy of augmented responses). rejected_ratio: of those, the share
-    whose speculative draft was rejected (a detail of our sampling). aug, correct [N] over all completions of the
+    decided: our injected_ratio; Fig. 2c the accuracy of augmented responses). rejected_ratio: the augmented
+    responses' tokens whose speculative draft was rejected and redrawn from the residual, over all their tokens, as
+    injected_ratio (so at most it; a detail of our sampling). aug, correct [N] over all completions of the
     step; the ratios over all augmented tokens; prior_tok (flat_extras, with "aug") and omega [n_tok] over the kept
     ones' tokens (kl_prior, omega_*)."""
     entropies = torch.cat([s.entropies for g in groups for s in g])

@@ -6,9 +6,9 @@ successful trajectories: `diff grpo.py exgrpo.py` shows ExGRPO and nothing else.
     python exgrpo.py --run-name NAME --resume        # continue a run from its last checkpoint (buffer included)
     torchrun --nproc_per_node=8 exgrpo.py --model Qwen2.5-Math-7B --task openr1_math.jsonl --train-size 0 \
         --prompts-per-step 128 --mini-batches 2 --max-new-tokens 8192 --temperature 1.0 --start-acc 0.35 \
-        --adv-norm none --loss-agg seq-mean-token-sum-norm --eps-high 0.2 --entropy-coef 0.001 --skip-grad-norm 500 \
-        --lr 1e-6 --warmup-steps 0 --decay-steps 0 --weight-decay 0.01 --adam-beta2 0.999 --max-stored 0 --steps 700 \
-        --fsdp
+        --adv-norm none --loss-agg seq-mean-token-sum-norm --eps-high 0.2 --entropy-coef 0.001 \
+        --max-grad-norm 0.015625 --skip-grad-norm 7.8125 --lr 1e-6 --warmup-steps 0 --decay-steps 0 \
+        --weight-decay 0.01 --adam-beta2 0.999 --max-stored 0 --steps 700 --fsdp
                                                      # the paper's setting (§5.1, App. D, Table 4)
 
 One step (ExGRPO §4, Alg. 1): once the batch accuracy has passed a threshold (the delayed start; from the next step
@@ -25,8 +25,9 @@ compare on equal terms: questions come back through the buffer, not through the 
 Table 6's ablations are switches: --no-is-correction, --no-policy-shaping, --trajectory-choice, --bucket-weighting
 question, --replay-ratio 0.25 / 0.75; Table 3's σ is --bucket-sigma, and f's β is --shaping-beta. With the paper's
 host, two small differences remain: Dr. GRPO's normaliser here is sequences x L_max where the authors' code divides
-by ranks x L_max (a constant factor apart), and the entropy bonus is aggregated like the surrogate, not as a token
-mean.
+by ranks x L_max, so our gradient is 64x smaller in the command above (512 sequences a mini-batch, 8 ranks), whose
+clip and skip thresholds are the authors' 1.0 and 500 divided by 64 (AdamW's step sees the scale only through its
+ε); and the entropy bonus is aggregated like the surrogate, not as a token mean.
 
 Under torchrun each rank owns the questions whose index is its rank modulo the world size: it draws its fresh
 questions from them only, and keeps their buffer, buckets and retired set; nothing about the buffer crosses ranks.
@@ -297,16 +298,21 @@ class Experience:
         self.bucket: dict[int, int] = {}  # question id -> k of its latest collected group
         self.retired: set[int] = set()  # S
 
-    def to_store(self, qid: int, correct: list, completions: list, collect: bool, replayed: bool = False) -> list[bool]:
+    def to_store(self, qid: int, correct: list, completions: list, collect: bool, replayed: bool = False,
+                 storable: list | None = None) -> list[bool]:
         """Which of a group's completions record() stores: correct, not stored yet (nor earlier in the group), the
         question partly solved (0 < k < K), collecting; with max_stored, only the last max_stored of them. These are
         the rows whose collection-time log-probs the step must score. replayed: the group's first row came from the
         buffer; it is never stored again (also when the question's fresh group earlier in the step pushed it out under
-        max_stored: stored anew, it would carry this step's log-probs as π_past)."""
+        max_stored: stored anew, it would carry this step's log-probs as π_past). storable: the completions that may
+        be stored (None: all; under --overlong-mask the finished ones, as a truncated one would replay without a loss
+        token; they still count in k)."""
         k = sum(bool(c) for c in correct)
         seen, new = {t.tokens for t in self.pool.get(qid, [])}, []
+        storable = storable if storable is not None else [True] * len(completions)
         for i, (ok, t) in enumerate(zip(correct, completions)):
-            new.append(collect and 0 < k < self.K and bool(ok) and tuple(t) not in seen and not (replayed and i == 0))
+            new.append(collect and 0 < k < self.K and bool(ok) and storable[i] and tuple(t) not in seen
+                       and not (replayed and i == 0))
             seen.add(tuple(t))
         if self.max_stored and sum(new) > self.max_stored:  # the older ones would be dropped at once
             last = [i for i, s in enumerate(new) if s][-self.max_stored:]
@@ -314,19 +320,21 @@ class Experience:
         return new
 
     def to_store_step(self, groups: list, collect: bool) -> list[list[bool]]:
-        """to_store of each of a step's groups [(qid, correct, completions, replayed)] as record() will meet them, in
+        """to_store of each of a step's groups [(qid, correct, completions, replayed, storable)] as record() will meet them, in
         order. A question can come twice in one step (replayed, and drawn fresh): its second group is compared with a
         buffer that already holds what its first group stored, so the marks come from record() on a copy of the
         buffer."""
         shadow = Experience(self.K, self.max_stored)
         shadow.pool = {q: list(self.pool.get(q, [])) for q, *_ in groups}
         marks = []
-        for q, correct, completions, replayed in groups:
-            marks.append(shadow.to_store(q, correct, completions, collect, replayed))
-            shadow.record(q, correct, completions, [torch.zeros(len(t)) for t in completions], collect, replayed)
+        for q, correct, completions, replayed, storable in groups:
+            marks.append(shadow.to_store(q, correct, completions, collect, replayed, storable))
+            shadow.record(q, correct, completions, [torch.zeros(len(t)) for t in completions], collect, replayed,
+                          storable)
         return marks
 
-    def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool, replayed: bool = False):
+    def record(self, qid: int, correct: list, completions: list, logps: list, collect: bool, replayed: bool = False,
+               storable: list | None = None):
         """One group's outcome (Alg. 1 l.25-32). All K correct retires the question, from step 1 on. With `collect`
         (once the delayed start has fired), 0 < k < K stores each correct completion not stored yet (to_store) and
         labels the question k; with max_stored, the question keeps its most recent ones. All-wrong groups store
@@ -339,7 +347,8 @@ class Experience:
             return
         self.bucket[qid] = k
         stored = self.pool.setdefault(qid, [])
-        for new, tokens, logp in zip(self.to_store(qid, correct, completions, collect, replayed), completions, logps):
+        for new, tokens, logp in zip(self.to_store(qid, correct, completions, collect, replayed, storable), completions,
+                                     logps):
             if new:  # de-duplicated by exact content
                 assert len(logp) == len(tokens) and torch.isfinite(logp).all(), "a scored log-prob for every token"
                 # our choice: token ids, not decoded text as the authors' code keeps (re-tokenising text need not
@@ -917,8 +926,9 @@ def main(argv=None):
         # replayed rows' now. our choice: at the sampling temperature, which every ratio here uses (the paper's T = 1).
         # Where the model samples itself (fp32, no FSDP2) both are at hand: the sampler's log-probs are the trainer's
         # up to the kernels' rounding, the selection's forward scored the replayed rows. A bf16 copy's are not: scored
-        groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], replay[j])
-                  for j, q in enumerate(qids)]
+        storable = b.finished | (not cfg.overlong_mask)  # [N]: --overlong-mask would replay a truncated one lossless
+        groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], replay[j],
+                   storable[j * G:(j + 1) * G].tolist()) for j, q in enumerate(qids)]
         store = torch.tensor([s for marks in exp.to_store_step(groups, mixed) for s in marks])  # [N]
         replay_tok, past_logp = is_replay.repeat_interleave(b.lengths), b.sampler_logp  # [n_tok]
         if old_logp is not None:  # the pass above scored every row
@@ -931,8 +941,9 @@ def main(argv=None):
                                       autocast)
         tok_logps = scored_logp.split(b.lengths.tolist())
         # retire all-correct questions; collect once the delayed start has fired
-        for j, (q, group_correct, completions, from_buffer) in enumerate(groups if replaying else []):
-            exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed, replayed=from_buffer)
+        for j, (q, group_correct, completions, from_buffer, ok) in enumerate(groups if replaying else []):
+            exp.record(q, group_correct, completions, tok_logps[j * G:(j + 1) * G], collect=mixed, replayed=from_buffer,
+                       storable=ok)
         # replayed rows carry their stored log-probs π_past as 'sampler' log-probs; they were not sampled now, so the
         # sampler-trainer mismatch (and TIS) sees the trainer's own there
         b.sampler_logp = torch.where(replay_tok, scored_logp, past_logp)
@@ -981,7 +992,7 @@ def main(argv=None):
         sums = METRIC_SUMS + EXGRPO_SUMS + tuple(k for k in metrics if k.startswith("exgrpo/bucket_"))
         # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
-                  "policy/": stats["tokens"]}
+                  "policy/": stats["tokens"], "exgrpo/fresh_acc": int((~is_replay).sum())}
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=sums, maxes=METRIC_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:
             checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"skipped_in_a_row": skipped_in_a_row,

@@ -644,15 +644,15 @@ def test_is_level_reaches_the_update(in_tmp, models, monkeypatch, level):
 
 
 def test_resume_refuses_another_prior_or_schedule(in_tmp, models, capsys):
-    """A resumed run keeps its experience: another π_RL, λ_0, T, G_e or τ (given, or its calibration quantile) is
-    one line naming the option (fails without the check: the run would go on with another prior or schedule)."""
+    """A resumed run keeps its experience: another π_RL, λ_0, T, G_e, τ (given, or its calibration quantile) or
+    sampling temperature (which τ's entropies are measured at) is one line naming the option (fails without the check: the run would go on with another prior or schedule)."""
     import shutil
 
     common = run_args(models, "--prior", str(models[1]), "--run-name", "r", "--tau", "0")
     eapo.main([*common, "--steps", "1"])
     another = str(shutil.copytree(models[1], in_tmp / "another_prior"))
     for option, value in (("--prior", another), ("--lam0", "0.5"), ("--anneal-steps", "3"), ("--augmented", "1"),
-                          ("--tau", "0.5"), ("--tau-quantile", "0.5")):
+                          ("--tau", "0.5"), ("--tau-quantile", "0.5"), ("--temperature", "1.0")):
         code, err = run_cli(capsys, *common, "--steps", "2", "--resume", option, value)
         assert code == 2 and len(err.strip().splitlines()) == 1 and option in err, err
     assert sorted(rows_of("r")) == [1]  # nothing trained or logged after the refusals

@@ -602,6 +602,32 @@ def test_smoke_main_replays_at_a_temperature(in_tmp, soft_model_dir, monkeypatch
     assert len(state) == 1 and state[0]["mixed"] and state[0]["buffer"]["pool"]
 
 
+def test_overlong_mask_stores_only_finished_trajectories(in_tmp, soft_model_dir, monkeypatch):
+    """Under --overlong-mask a truncated completion trains no token, so replayed it would fill a replay slot with
+    nothing to learn: the buffer keeps only the finished correct completions (ending in a stop token). A near-uniform
+    model's 5-token answers, half of them 'correct' (parity reward), a sixth of the vocabulary stopping them: most
+    finish, some are cut. Fails when truncated ones are stored under the mask, or none is; without the mask they are."""
+    real_tokenizer = exgrpo.Tokenizer.from_pretrained
+
+    def many_stops(*a, **kw):
+        tok = real_tokenizer(*a, **kw)
+        tok.stop_ids = list(range(0, tok.vocab_size, 6))
+        return tok
+    monkeypatch.setattr(exgrpo.Tokenizer, "from_pretrained", many_stops)
+    stop, stored, real_record = set(many_stops(soft_model_dir).stop_ids), [], Experience.record
+
+    def spy_record(self, qid, *a, **kw):
+        real_record(self, qid, *a, **kw)
+        stored.extend(t.tokens for t in self.pool.get(qid, []))
+    monkeypatch.setattr(Experience, "record", spy_record)
+    run = ["--model", str(soft_model_dir), "--steps", "3", "--start-acc", "-1", "--prompts-per-step", "4", *RUN[2:]]
+    exgrpo.main([*run, "--run-name", "masked", "--overlong-mask"])
+    assert stored and all(t[-1] in stop for t in stored), stored
+    stored.clear()
+    exgrpo.main([*run, "--run-name", "plain"])
+    assert any(t[-1] not in stop for t in stored)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_log_probs_for_the_buffer_and_w_without_a_scoring_pass_where_the_model_samples_itself(
         in_tmp, soft_model_dir, monkeypatch, dtype):
@@ -890,7 +916,7 @@ def test_a_question_twice_in_a_step_scores_what_its_second_group_stores():
     exp = Experience(K, max_stored=2)
     first = ([True, True] + [False] * (K - 2), [[5], [6]] + [[9]] * (K - 2))
     second = ([True, True, True] + [False] * (K - 3), [[4], [5], [6]] + [[9]] * (K - 3))
-    marks = exp.to_store_step([(0, *first, False), (0, *second, False)], collect=True)
+    marks = exp.to_store_step([(0, *first, False, None), (0, *second, False, None)], collect=True)
     assert exp.pool == {} and exp.bucket == {}  # marking stores nothing
     assert marks[0] == [True, True] + [False] * (K - 2)
     assert marks[1] == [True, False, False] + [False] * (K - 3)  # [5] and [6] are stored by then
@@ -899,7 +925,8 @@ def test_a_question_twice_in_a_step_scores_what_its_second_group_stores():
         exp.record(0, correct, comps, [torch.zeros(1) if x else torch.full((1,), float("nan")) for x in m], True)
     assert sorted(t.tokens for t in exp.pool[0]) == [(4,), (6,)]
     plain = Experience(K)
-    marks = plain.to_store_step([(3, *first, False), (7, *first, False), (3, *first, False)], collect=True)
+    marks = plain.to_store_step([(3, *first, False, None), (7, *first, False, None), (3, *first, False, None)],
+                               collect=True)
     assert marks[0] == marks[1] == first[0] and marks[2] == [False] * K  # question 3's repeats: already stored
     assert plain.pool == {}  # marking stores nothing
 
@@ -913,7 +940,7 @@ def test_a_replayed_trajectory_keeps_its_collection_log_probs():
     exp.record(0, [True] + [False] * (K - 1), [[1]] + [[9]] * (K - 1), [torch.full((1,), -5.0)] * K, collect=True)
     fresh = ([True, True] + [False] * (K - 2), [[3], [4]] + [[9]] * (K - 2), False)  # drawn fresh: two new correct
     replay = ([True, True] + [False] * (K - 2), [[1], [5]] + [[9]] * (K - 2), True)  # [1] from the buffer, [5] new
-    marks = exp.to_store_step([(0, *fresh), (0, *replay)], collect=True)
+    marks = exp.to_store_step([(0, *fresh, None), (0, *replay, None)], collect=True)
     assert marks[1] == [False, True] + [False] * (K - 2)  # the replayed row is not scored to be stored
     for (correct, comps, replayed), m in zip((fresh, replay), marks):
         exp.record(0, correct, comps, [torch.full((1,), -0.1)] * K, True, replayed)
