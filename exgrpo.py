@@ -663,9 +663,9 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     # same forwards (FSDP2 gathers the weights in each one, and a rank with none would skip DDP's all-reduce).
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
-    stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
-                           "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps", "skipped",
-                           "skipped_since_last_step"], 0.0)
+    stats = dict.fromkeys(["tokens", "policy_tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl",
+                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps",
+                           "skipped", "skipped_since_last_step"], 0.0)
     forking = torch.ones(len(b.sampler_logp), dtype=torch.bool)  # [n_tok] the tokens --top-entropy trains on
     for epoch in range(cfg.epochs if N else 0):
         for idx in mini:
@@ -706,23 +706,26 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                                                                ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
-                with torch.no_grad():  # diagnostics
-                    log_ratio = logp.detach() - old
+                with torch.no_grad():  # diagnostics over the tokens that carry the policy gradient (A != 0): the ones
+                    # one process forwards by default, whatever a KL, an entropy bonus or torchrun add to the forward
+                    on = tok_adv[tok].to(device) != 0
+                    log_ratio = (logp.detach() - old)[on]
                     stats["tokens"] += len(logp)
+                    stats["policy_tokens"] += int(on.sum())
                     # tokens through the forward: each distinct context once (packed), then the completions
                     contexts = {tuple(b.context[i]) for i in mb}
                     stats["fwd_tokens"] += sum(map(len, contexts)) + sum(len(b.tokens[i]) for i in mb)
-                    stats["clip_low"] += clip_low.float().sum().item()
-                    stats["clip_high"] += clip_high.float().sum().item()
+                    stats["clip_low"] += clip_low[on].float().sum().item()
+                    stats["clip_high"] += clip_high[on].float().sum().item()
                     stats["approx_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
-                    stats["entropy"] += entropy.detach().sum().item()
-                    stats["masked"] += 0 if mask is None else (mask == 0).sum().item()
+                    stats["entropy"] += entropy.detach()[on].sum().item()
+                    stats["masked"] += 0 if mask is None else (mask[on] == 0).sum().item()
                     if ref is not None:  # k3, its log-ratio clamped to ±10 as in the loss
-                        log_ratio_ref = (ref - logp.detach()).clamp(-10, 10)
+                        log_ratio_ref = (ref - logp.detach())[on].clamp(-10, 10)
                         stats["ref_kl"] += (log_ratio_ref.exp() - log_ratio_ref - 1).sum().item()
                     if epoch == 0:
-                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old).abs().sum().item()
-                        stats["mismatch_tokens"] += len(old)
+                        stats["mismatch"] += (b.sampler_logp[tok].to(device) - old)[on].abs().sum().item()
+                        stats["mismatch_tokens"] += int(on.sum())
             if not micro:  # nothing to train on: a zero gradient, so AdamW's step (momentum) is that of the full batch
                 for p in model.parameters():
                     p.grad = torch.zeros_like(p)
@@ -760,8 +763,8 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
 
 def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
-    # the policy/ metrics are over the trained tokens; a step that trained none logs them null (NaN), not 0
-    lengths, seen = b.lengths.float(), stats["tokens"] or math.nan
+    # the policy/ metrics are over the loss tokens with a nonzero advantage; a step without any logs them null (NaN)
+    lengths, seen = b.lengths.float(), stats["policy_tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
         "reward/mean": rewards.mean().item(), "reward/acc": correct.mean().item(),
@@ -992,7 +995,7 @@ def main(argv=None):
         sums = METRIC_SUMS + EXGRPO_SUMS + tuple(k for k in metrics if k.startswith("exgrpo/bucket_"))
         # means over completions and trained tokens weigh each rank by its count (XRPO's ranks hold different ones)
         counts = {"reward/": len(b_all.tokens), "response/": len(b_all.tokens), "reward/zero_var_groups": n_groups,
-                  "policy/": stats["tokens"], "exgrpo/fresh_acc": int((~is_replay).sum())}
+                  "policy/": stats["policy_tokens"], "exgrpo/fresh_acc": int((~is_replay).sum())}
         log.log(step, dist.reduce_metrics(metrics, weights=counts, sums=sums, maxes=METRIC_MAXES))
         if step % cfg.save_every == 0 or step == cfg.steps:
             checkpoint.save_run(model, optimizer, ckpt_dir, step, cfg, extra={"skipped_in_a_row": skipped_in_a_row,

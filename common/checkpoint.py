@@ -3,10 +3,12 @@
     runs/<name>/checkpoint/   config.json  model.safetensors  tokenizer.json ...  trainer.pt
 
 trainer.pt holds the step, the optimizer, the RNG states and whatever algorithm state the script passes.
-Writing is atomic: everything goes to a fresh temporary folder which then replaces the old checkpoint by
-renames, so a crash at any moment leaves either the old or the new checkpoint whole.
+Writing is atomic: everything goes to a fresh temporary folder, synced to disk, which then replaces the old
+checkpoint by renames, so a crash at any moment (of the process, or of the machine) leaves either the old or the new
+checkpoint whole.
 """
 import dataclasses
+import os
 import random
 import shutil
 import sys
@@ -49,12 +51,24 @@ def save(ckpt_dir, model, weights: dict, optimizer_state: dict, step: int, model
     except BaseException:  # Ctrl-C during the save: no half-written folder is left behind either
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for path in (*tmp.iterdir(), tmp):  # on disk before the old checkpoint can go: a power loss keeps one whole
+        sync(path)
     old = ckpt_dir.with_name(ckpt_dir.name + ".old")
     if ckpt_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
         ckpt_dir.rename(old)
     tmp.rename(ckpt_dir)
+    sync(ckpt_dir.parent)  # the renames themselves
     shutil.rmtree(old, ignore_errors=True)
+
+
+def sync(path: Path):
+    """fsync a file or a folder (a folder's entries: the renames in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_run(model, optimizer, ckpt_dir, step: int, cfg, extra: dict | None = None):

@@ -74,7 +74,7 @@ class Config:
     model: str = "smollm2"  # a Hugging Face model folder, a checkpoint folder, or smollm2
     data: str = "arith"  # task name (arith, gsm8k, math500, aime24, amc23) or a .jsonl file
     split: str = "test"  # test, train, or all (every problem of a single-split file)
-    limit: int = 0  # evaluate only the first N problems (0 = all)
+    limit: int = 0  # evaluate a seeded sample of N problems, a training run's --eval-size N set at seed 0 (0 = all)
     samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
     temperature: float = 1.0  # sampling temperature for pass@k / maj@k
     top_p: float = 1.0  # nucleus sampling for pass@k / maj@k (1 = off)
@@ -93,7 +93,6 @@ def main():
           "non-negative numbers, batch and sample_batch > 0")
     check(0 < cfg.top_p <= 1, "top_p", "a number in (0, 1]")
     problems = load_task(cfg.data, cfg.split, n=cfg.limit or None, seed=cfg.seed)
-    problems = problems[: cfg.limit] if cfg.limit else problems
     device = dist.resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype)

@@ -52,7 +52,7 @@ _LIST_MARKER = re.compile(r"[.)][ \t]+\S")  # `2. Next` / `2) Next` at a line st
 # `The answer is 7`, `Final answer: $x$`, `**Answer:** 7`: the rest of that line holds the answer
 _CUE = re.compile(r"(?i)\banswer\b(?:\*\*)?(?:\s+is\b[ \t]*:?|[ \t]*[:=])[ \t]*(?:\*\*)?[ \t]*")
 # where the answer's clause ends: `13 + 17 = 20, but ...`, `7. Then ...`, `10 which is ...`
-_CLAUSE_END = re.compile(r"\.(?:\s|$)|[,;](?=\s)|\s(?:but|which|because|since|so)\s")
+_CLAUSE_END = re.compile(r"[.!?](?:\s|$)|[,;](?=\s)|\s(?:but|which|because|since|so)\s")
 _WORD = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")  # a word of two letters or more, not a \command
 _WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname)"
                       r"\s*\{([^{}]*)\}")
@@ -64,13 +64,14 @@ _UNIT_WORDS = (r"dollars?|cents?|units?|degrees?|radians?|percent"
                r"|liters?|litres?|gallons?")
 _UNIT = re.compile(r"(?<=[\d} ]) ?(?:square |sq |cubic )?(?:" + _UNIT_WORDS + r")"
                    r"(?: per (?:hour|minute|second|day))?(?:\^\{?[23]\}?)?$")
-# a one-letter unit (m, s, g, L) is only a unit inside \text{}: `5m` may be a product
-_WRAPPED_UNIT = re.compile(r"(?<=[\d} ])\s*\\(?:text|mbox|mathrm)\s*\{\s*(?:square |cubic )?"
+# a one-letter unit (m, s, g, L) is only a unit inside \text{} (after a digit, a space or \,): `5m` may be a product
+_WRAPPED_UNIT = re.compile(r"(?:(?<=[\d} ])|(?<=\\[,;:!]))\s*\\(?:text|mbox|mathrm)\s*\{\s*(?:square |cubic )?"
                            r"(?:m|s|g|L|h|ml|mL|" + _UNIT_WORDS + r")\s*\}(?:\^\s*\{?[23]\}?)?\s*$")
 _UNICODE = {"\u2212": "-", "π": "\\pi ", "√": "\\sqrt", "×": "\\times ", "·": "\\cdot ", "∞": "\\infty ",
             "±": "\\pm ", "≤": "\\le ", "≥": "\\ge ", "∪": "\\cup "}
 # a whole answer that is a number followed by words, e.g. "31 apples" (after \text{} unwrapping)
-_NUMBER_WORDS = re.compile(r"^(-?[\d.,]+(?:/\d+)?) [a-zA-Z][a-zA-Z ]*$")
+# (a word of two letters or more: `3 x` or `2 i` is a product, not "3 of x")
+_NUMBER_WORDS = re.compile(r"^(-?[\d.,]+(?:/\d+)?) [a-zA-Z]{2,}[a-zA-Z ]*$")
 # `x =`, `AB =`, `\theta =`, `x \in` in front of the value
 _ASSIGN = re.compile(r"^[A-Za-z\\][A-Za-z\\]{0,8}(?:_\{?\w{1,3}\}?)? ?(?:=|\\in(?![a-zA-Z])) ?")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
@@ -148,7 +149,8 @@ def _after_cue(s: str) -> str | None:
                 if inner:
                     return _result(inner)
                 break
-        line = _CLAUSE_END.split(line.replace("\\boxed{}", ""), maxsplit=1)[0].strip()
+        # bold closes after the clause's full stop too: `is **18**.` -> `18`
+        line = _CLAUSE_END.split(line.replace("\\boxed{}", ""), maxsplit=1)[0].strip().strip("*").strip()
         tail = line.rpartition("=")[2].strip()  # `Tom has 4 + 9 = 13 shells` -> `13 shells`
         if not _WORD.search(line) and any(c.isdigit() for c in line):
             return _result(line)  # a bare expression: `7`, `2x + 3`, `\frac{1}{2}`, `3 + 4 = 7`
@@ -186,7 +188,8 @@ def normalize(s: str, strip_assignment: bool = True) -> str:
 
     strip_assignment: `x = 5` -> `5`, `y = 2x + 3` -> `2x + 3` (False keeps the equation whole)."""
     s = re.sub(r"\s+", " ", s[:TAIL]).strip()  # one space at most: the regexes below stay linear
-    s = s.replace("{,}", ",")  # 10{,}080: a thousands separator
+    listed = ", " in s  # `2, 500` is a list of two numbers; a thousands separator is not followed by a space
+    s = s.replace("{,}", ",")  # 10{,}080 (or 11,\! 111 below): a thousands separator
     for u, latex in _UNICODE.items():
         if u in s:
             s = s.replace(u, latex)
@@ -216,7 +219,7 @@ def normalize(s: str, strip_assignment: bool = True) -> str:
     s = re.sub(r"([_^])\{(\w)\}", r"\1\2", s)  # 4210_{5} = 4210_5, x^{2} = x^2
     if len(s) > 2 and s[0] == "{" and _brace_pairs(s).get(0) == len(s) - 1:
         s = s[1:-1]
-    if _THOUSANDS.match(s):
+    if _THOUSANDS.match(s) and not listed:
         s = s.replace(",", "")
     s = re.sub(r"^\(([A-Ea-e])\)$", r"\1", s)  # multiple choice: (C) = C
     if _DECIMAL.match(s):  # 2.50 -> 2.5, 3.0 -> 3, .5 -> 0.5
@@ -259,9 +262,9 @@ def _same(a: str, b: str) -> bool:
         return a != ""
     x, y = _number(a), _number(b)
     if x is not None and y is not None:
-        if x.denominator == 1 and y.denominator == 1:
-            return x == y  # integers must match exactly: 27648 is not 27649
-        return x == y or math.isclose(float(x), float(y), rel_tol=REL_TOL)
+        if "." not in a + b:
+            return x == y  # integers and fractions must match exactly: 27648 is not 27649, 1/999999 not 1/10^6
+        return x == y or math.isclose(float(x), float(y), rel_tol=REL_TOL)  # a decimal may be rounded
     if x is not None or y is not None:
         # our choice: a plain number only equals a plain number; `3+4` or `\sqrt{49}` against 7
         # would pay a policy for echoing the question's arithmetic instead of doing it

@@ -278,6 +278,31 @@ def test_token_loss_plain_is_the_fused_loss(options, loss_type):
             torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
 
 
+def test_policy_metrics_average_the_tokens_with_an_advantage_whatever_the_forward_holds(model, monkeypatch):
+    """The policy/ means are over the loss tokens of completions with A != 0: one process forwards only those by
+    default, all completions under a KL or an entropy bonus or torchrun; the means must not move with that (they did:
+    a 1e-12 entropy bonus changed policy/entropy). Catches stats taken over every forwarded token."""
+    b, _ = make_batch()
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])  # group 0 all right, group 1 of one: A = 0
+    adv = grpo.group_advantages(rewards, b.group, "std")
+    on = (adv != 0).repeat_interleave(b.lengths - b.skip)  # loss tokens with an advantage (make_batch: skip then loss)
+
+    def metrics(**kw):
+        cfg = grpo.Config(max_grad_norm=1e9, temperature=0.7, max_new_tokens=10, **kw)
+        stats = grpo.update(model, model, RecordingOptimizer(model), b, adv, cfg, 0, torch.device("cpu"),
+                            torch.autocast("cpu", enabled=False))
+        return grpo.step_metrics(b, rewards, rewards, 3, 2, 0, stats, (0, 1, 2, 3)), stats
+    default, stats = metrics()
+    assert stats["policy_tokens"] == on.sum() and stats["tokens"] == on.sum()  # one process trains only those
+    bonus, stats = metrics(entropy_coef=1e-12)
+    assert stats["tokens"] > on.sum() and stats["policy_tokens"] == on.sum()  # all forwarded, the same averaged
+    monkeypatch.setattr(grpo.dist, "world", lambda: 2)  # what each rank does under torchrun: every completion runs
+    ranks, _ = metrics()
+    for name in ("policy/entropy", "policy/approx_kl", "policy/sampler_logp_diff"):
+        assert bonus[name] == pytest.approx(default[name], rel=1e-5) and ranks[name] == pytest.approx(default[name],
+                                                                                                      rel=1e-5), name
+
+
 def test_non_finite_gradient_skips_the_step(model, monkeypatch):
     b, rewards = make_batch()
     adv = grpo.group_advantages(rewards, b.group, "std")
@@ -294,6 +319,27 @@ def test_non_finite_gradient_skips_the_step(model, monkeypatch):
     stats = grpo.update(model, model, opt, b, adv, cfg, 0, torch.device("cpu"), torch.autocast("cpu", enabled=False))
     assert stats["skipped"] == 2 and stats["opt_steps"] == 0 and stats["skipped_since_last_step"] == 2
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_checkpoint_is_on_disk_before_the_old_one_goes(tmp_path, tiny_model_dir, monkeypatch):
+    """After a power loss either checkpoint is whole: every file of the new one and its folder are synced before the
+    renames, and the parent folder (the renames) before the old one is deleted. Fails without any of the syncs."""
+    m = Transformer.from_pretrained(tiny_model_dir)
+    ckpt, cfg = tmp_path / "checkpoint", grpo.Config(model=str(tiny_model_dir))
+    checkpoint.save_run(m, AdamW(m.parameters(), lr=1e-3), ckpt, 1, cfg)
+    synced, real_sync = [], checkpoint.sync
+
+    def spy(path):
+        synced.append((Path(path), (tmp_path / "checkpoint.old").exists(), ckpt.exists()))
+        real_sync(path)
+    monkeypatch.setattr(checkpoint, "sync", spy)
+    checkpoint.save_run(m, AdamW(m.parameters(), lr=1e-3), ckpt, 2, cfg)
+    files = {p.name for p in ckpt.iterdir()}
+    before = [(p, old, new) for p, old, new in synced if p.parent == tmp_path and p.name.startswith("checkpoint.tmp-")]
+    assert {p.name for p, _, _ in synced if p.parent.name.startswith("checkpoint.tmp-")} == files
+    assert len(before) == 1 and before[0][2]  # the new folder itself, while the old checkpoint still stood
+    assert synced[-1] == (tmp_path, True, True)  # the renames, before the old checkpoint is deleted
+    assert not (tmp_path / "checkpoint.old").exists()
 
 
 def test_no_checkpoint_from_non_finite_weights(tmp_path, tiny_model_dir):

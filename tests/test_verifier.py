@@ -55,6 +55,8 @@ def rows(name: str) -> list[dict]:
     ("The answer is 13 + 17 = 20, but 20 + 1 = 21", "20"),  # the cue's clause, not what follows
     ("To answer this, we compute 5 + 3 = 8", "8"),  # `answer` without `is` / `:` is no cue
     ("So the answer is \\boxed{} 14.", "14"),
+    ("So the answer is **18**.", "18"), ("Answer: **18**.", "18"),  # bold closes after the clause's stop
+    ("The answer is 18!", "18"), ("So the answer is 18? Yes.", "18"),  # ! and ? end the clause too
     # no digits that stand on their own: no answer
     ("We work over $\\mathbb{F}_{2}$.", None),
     ("by [1]", None),
@@ -140,7 +142,8 @@ def test_equivalent(a, b):
     ("1000001", "1000000"),
     ("0.33", "\\frac13"),
     ("(1,2)", "[1,2]"), ("(1,2)", "(2,1)"), ("(1,2)", "(1,2,3)"), ("(3,4]", "(3,4)"),  # ordered, brackets
-    ("1,2", "12"), ("5x", "5"), ("\\frac{1}{0}", "1"), ("-5", "5"), ("", ""), ("2", "\\sqrt{2}"),
+    ("1,2", "12"), ("2, 500", "2500"), ("5x", "5"), ("3 x", "3"), ("2 i", "2"), ("5 m", "5"),  # a product, a list
+    ("\\frac{1}{999999}", "\\frac{1}{1000000}"), ("\\frac{2000001}{2}", "1000000"),  # fractions compare exactly ("\\frac{1}{0}", "1"), ("-5", "5"), ("", ""), ("2", "\\sqrt{2}"),
     ("52_8", "52"), ("52_8", "42"), ("52_8", "25_8"),  # a number in another base is its digits
     ("7", "3+4"), ("7", "\\sqrt{49}"), ("4", "2^2"),  # a plain number is not the question's arithmetic
     ("2k", "2n"), ("x", "|x|"), ("x", "\\sqrt{x^2}"),  # variables are variables
