@@ -320,10 +320,10 @@ class Experience:
         return new
 
     def to_store_step(self, groups: list, collect: bool) -> list[list[bool]]:
-        """to_store of each of a step's groups [(qid, correct, completions, replayed, storable)] as record() will meet them, in
-        order. A question can come twice in one step (replayed, and drawn fresh): its second group is compared with a
-        buffer that already holds what its first group stored, so the marks come from record() on a copy of the
-        buffer."""
+        """to_store of each of a step's groups [(qid, correct, completions, replayed, storable)] as record() will meet
+        them, in order. A question can come twice in one step (replayed, and drawn fresh): its second group is
+        compared with a buffer that already holds what its first group stored, so the marks come from record() on a
+        copy of the buffer."""
         shadow = Experience(self.K, self.max_stored)
         shadow.pool = {q: list(self.pool.get(q, [])) for q, *_ in groups}
         marks = []
@@ -664,8 +664,8 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "policy_tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl",
-                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps",
-                           "skipped", "skipped_since_last_step"], 0.0)
+                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max",
+                           "opt_steps", "skipped", "skipped_since_last_step"], 0.0)
     forking = torch.ones(len(b.sampler_logp), dtype=torch.bool)  # [n_tok] the tokens --top-entropy trains on
     for epoch in range(cfg.epochs if N else 0):
         for idx in mini:
@@ -706,9 +706,9 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                                                                ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
-                with torch.no_grad():  # diagnostics over the tokens that carry the policy gradient (A != 0): the ones
-                    # one process forwards by default, whatever a KL, an entropy bonus or torchrun add to the forward
-                    on = tok_adv[tok].to(device) != 0
+                with torch.no_grad():  # diagnostics over the tokens the update trains: A != 0, or all under a KL or
+                    # an entropy term; not the others that torchrun puts through the forward (ranks run the same ones)
+                    on = (tok_adv[tok].to(device) != 0) | keeps_all
                     log_ratio = (logp.detach() - old)[on]
                     stats["tokens"] += len(logp)
                     stats["policy_tokens"] += int(on.sum())
@@ -763,7 +763,7 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
 
 def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
-    # the policy/ metrics are over the loss tokens with a nonzero advantage; a step without any logs them null (NaN)
+    # the policy/ metrics are over the tokens the update trains (update's `on`); a step without any logs them null
     lengths, seen = b.lengths.float(), stats["policy_tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {
@@ -928,8 +928,9 @@ def main(argv=None):
         # ExGRPO: the buffer keeps the trainer's log-probs of the correct rollouts it collects (§4.1); w* needs the
         # replayed rows' now. our choice: at the sampling temperature, which every ratio here uses (the paper's T = 1).
         # Where the model samples itself (fp32, no FSDP2) both are at hand: the sampler's log-probs are the trainer's
-        # up to the kernels' rounding, the selection's forward scored the replayed rows. A bf16 copy's are not: scored
-        storable = b.finished | (not cfg.overlong_mask)  # [N]: --overlong-mask would replay a truncated one lossless
+        # up to the kernels' rounding, the selection's forward scored the replayed rows. A bf16 copy's are not: scored.
+        # Under --overlong-mask a truncated completion is not stored: replayed, it would have no loss token
+        storable = b.finished | (not cfg.overlong_mask)  # [N]
         groups = [(q, correct[j * G:(j + 1) * G].tolist(), b.tokens[j * G:(j + 1) * G], replay[j],
                    storable[j * G:(j + 1) * G].tolist()) for j, q in enumerate(qids)]
         store = torch.tensor([s for marks in exp.to_store_step(groups, mixed) for s in marks])  # [N]

@@ -357,8 +357,8 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
     keeps_all = cfg.kl_coef > 0 or cfg.entropy_coef > 0
     active = [dist.world() > 1 or (keeps_all or a != 0) and n > 0 for a, n in zip(adv.tolist(), n_train.tolist())]
     stats = dict.fromkeys(["tokens", "policy_tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl",
-                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps",
-                           "skipped", "skipped_since_last_step"], 0.0)
+                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max",
+                           "opt_steps", "skipped", "skipped_since_last_step"], 0.0)
     forking = torch.ones(len(b.sampler_logp), dtype=torch.bool)  # [n_tok] the tokens --top-entropy trains on
     for epoch in range(cfg.epochs if N else 0):
         for idx in mini:
@@ -399,9 +399,9 @@ def update(policy, model, optimizer, b: Batch, adv, cfg, pad_id, device, autocas
                                                                ref_logp=ref, **extra)
                     # w divides by the global totals; DDP averages gradients over ranks, so undo its 1/world
                     ((loss_tok * w.to(device)).sum() * dist.world()).backward()
-                with torch.no_grad():  # diagnostics over the tokens that carry the policy gradient (A != 0): the ones
-                    # one process forwards by default, whatever a KL, an entropy bonus or torchrun add to the forward
-                    on = tok_adv[tok].to(device) != 0
+                with torch.no_grad():  # diagnostics over the tokens the update trains: A != 0, or all under a KL or
+                    # an entropy term; not the others that torchrun puts through the forward (ranks run the same ones)
+                    on = (tok_adv[tok].to(device) != 0) | keeps_all
                     log_ratio = (logp.detach() - old)[on]
                     stats["tokens"] += len(logp)
                     stats["policy_tokens"] += int(on.sum())
@@ -456,7 +456,7 @@ def optimizer_step(model, optimizer, cfg, stats) -> bool:
 
 def step_metrics(b: Batch, correct, rewards, n_groups, n_zero_var, dropped, stats, times) -> dict:
     """The per-step metrics (one JSON line) for this rank; dist.reduce_metrics combines the ranks."""
-    # the policy/ metrics are over the loss tokens with a nonzero advantage; a step without any logs them null (NaN)
+    # the policy/ metrics are over the tokens the update trains (update's `on`); a step without any logs them null
     lengths, seen = b.lengths.float(), stats["policy_tokens"] or math.nan
     t0, t_sample, t_score, t_train = times
     return {

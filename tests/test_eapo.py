@@ -645,7 +645,8 @@ def test_is_level_reaches_the_update(in_tmp, models, monkeypatch, level):
 
 def test_resume_refuses_another_prior_or_schedule(in_tmp, models, capsys):
     """A resumed run keeps its experience: another π_RL, λ_0, T, G_e, τ (given, or its calibration quantile) or
-    sampling temperature (which τ's entropies are measured at) is one line naming the option (fails without the check: the run would go on with another prior or schedule)."""
+    sampling temperature (which τ's entropies are measured at) is one line naming the option (fails without the
+    check: the run would go on with another prior or schedule)."""
     import shutil
 
     common = run_args(models, "--prior", str(models[1]), "--run-name", "r", "--tau", "0")

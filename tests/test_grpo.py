@@ -278,10 +278,11 @@ def test_token_loss_plain_is_the_fused_loss(options, loss_type):
             torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
 
 
-def test_policy_metrics_average_the_tokens_with_an_advantage_whatever_the_forward_holds(model, monkeypatch):
-    """The policy/ means are over the loss tokens of completions with A != 0: one process forwards only those by
-    default, all completions under a KL or an entropy bonus or torchrun; the means must not move with that (they did:
-    a 1e-12 entropy bonus changed policy/entropy). Catches stats taken over every forwarded token."""
+def test_policy_metrics_average_the_tokens_the_update_trains_also_under_torchrun(model, monkeypatch):
+    """The policy/ means are over the tokens the update trains: on one process the completions with A != 0, all of
+    them under an entropy bonus or a KL. Under torchrun every completion goes through the forward (ranks run the same
+    forwards), and the means must still cover the same tokens (they covered every forwarded one, so the logged entropy
+    moved with the world size). Catches stats taken over every forwarded token."""
     b, _ = make_batch()
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])  # group 0 all right, group 1 of one: A = 0
     adv = grpo.group_advantages(rewards, b.group, "std")
@@ -292,15 +293,18 @@ def test_policy_metrics_average_the_tokens_with_an_advantage_whatever_the_forwar
         stats = grpo.update(model, model, RecordingOptimizer(model), b, adv, cfg, 0, torch.device("cpu"),
                             torch.autocast("cpu", enabled=False))
         return grpo.step_metrics(b, rewards, rewards, 3, 2, 0, stats, (0, 1, 2, 3)), stats
-    default, stats = metrics()
-    assert stats["policy_tokens"] == on.sum() and stats["tokens"] == on.sum()  # one process trains only those
-    bonus, stats = metrics(entropy_coef=1e-12)
-    assert stats["tokens"] > on.sum() and stats["policy_tokens"] == on.sum()  # all forwarded, the same averaged
+    one, stats = metrics()
+    assert stats["policy_tokens"] == stats["tokens"] == on.sum()  # one process forwards only those
+    bonus, stats = metrics(entropy_coef=1e-3)
+    assert stats["policy_tokens"] == stats["tokens"] == len(on) > on.sum()  # the bonus trains every token
     monkeypatch.setattr(grpo.dist, "world", lambda: 2)  # what each rank does under torchrun: every completion runs
-    ranks, _ = metrics()
+    ranks, stats = metrics()
+    assert stats["tokens"] == len(on) and stats["policy_tokens"] == on.sum()
+    ranks_bonus, _ = metrics(entropy_coef=1e-3)
     for name in ("policy/entropy", "policy/approx_kl", "policy/sampler_logp_diff"):
-        assert bonus[name] == pytest.approx(default[name], rel=1e-5) and ranks[name] == pytest.approx(default[name],
-                                                                                                      rel=1e-5), name
+        assert ranks[name] == pytest.approx(one[name], rel=1e-5), name
+        assert ranks_bonus[name] == pytest.approx(bonus[name], rel=1e-5), name
+    assert one["policy/entropy"] != pytest.approx(bonus["policy/entropy"], rel=1e-3)  # the two sets differ
 
 
 def test_non_finite_gradient_skips_the_step(model, monkeypatch):
@@ -900,11 +904,13 @@ def test_policy_metrics_of_a_step_that_trained_nothing_are_null(tmp_path):
     b = Batch(context=[[1]] * 2, tokens=[[2, 3], [4]], group=torch.zeros(2, dtype=torch.long),
               skip=torch.zeros(2, dtype=torch.long), sampler_logp=torch.zeros(3), finished=torch.ones(2, dtype=torch.bool),
               answer=["1"] * 2)
-    stats = dict.fromkeys(["tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl", "entropy", "mismatch",
-                           "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps", "skipped"], 0.0)
+    stats = dict.fromkeys(["tokens", "policy_tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl",
+                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps",
+                           "skipped"], 0.0)
     times = (0.0, 1.0, 1.0, 2.0)
     none = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0, stats, times)
-    some = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0, {**stats, "tokens": 4.0, "entropy": 2.0}, times)
+    some = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0,
+                             {**stats, "tokens": 4.0, "policy_tokens": 4.0, "entropy": 2.0}, times)
     assert some["policy/entropy"] == 0.5
     log = MetricsLog(tmp_path, total_steps=1)
     log.log(1, none, console=False)
