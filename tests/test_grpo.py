@@ -905,8 +905,8 @@ def test_policy_metrics_of_a_step_that_trained_nothing_are_null(tmp_path):
               skip=torch.zeros(2, dtype=torch.long), sampler_logp=torch.zeros(3), finished=torch.ones(2, dtype=torch.bool),
               answer=["1"] * 2)
     stats = dict.fromkeys(["tokens", "policy_tokens", "fwd_tokens", "clip_low", "clip_high", "approx_kl", "ref_kl",
-                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max", "opt_steps",
-                           "skipped"], 0.0)
+                           "entropy", "mismatch", "mismatch_tokens", "masked", "grad_norm", "grad_norm_max",
+                           "opt_steps", "skipped"], 0.0)
     times = (0.0, 1.0, 1.0, 2.0)
     none = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0, stats, times)
     some = grpo.step_metrics(b, torch.zeros(2), torch.zeros(2), 1, 1, 0,
