@@ -689,10 +689,12 @@ def group_novelty(memories: dict, keys: list, group: torch.Tensor, emb: torch.Te
     keys [n_groups] the prompt key of each group (its exact context ids), group [N], emb [N, d] -> d [N].
     Groups of one prompt in a batch (a small pool draws a question twice) are one pool of siblings, scored against
     the memory as it stood before the step, as the authors' code does: the prompt's first visit gets no bonus."""
+    groups_of = {}  # prompt key -> its group ids in this step
+    for g, key in enumerate(keys):
+        groups_of.setdefault(key, []).append(g)
     d = torch.zeros(len(group))
-    for key in dict.fromkeys(keys):
-        ids = torch.tensor([g for g, k in enumerate(keys) if k == key])
-        rows = torch.isin(group, ids).nonzero()[:, 0]
+    for key, ids in groups_of.items():
+        rows = torch.isin(group, torch.tensor(ids)).nonzero()[:, 0]
         memory = memories.get(key, torch.zeros(0, emb.shape[1])).float()
         d[rows] = novelty(emb[rows], memory, n=int((group == ids[0]).sum()))  # warm-up: one group's G (authors' n)
         memories[key] = remember(memory, emb[rows], H).half()  # our choice: fp16 storage, the memory is large at scale
