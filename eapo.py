@@ -41,11 +41,11 @@ import torch
 
 from common import checkpoint, dist
 from common.batch import Batch, completion_logprobs, micro_batches, to_batch, token_index, trainer_logprobs, varied_share
-from common.config import RunError, check, main_guard, parse
+from common.config import ConfigError, RunError, check, main_guard, parse
 from common.evaluate import evaluate, evaluation_lost
 from common.logger import MetricsLog, check_tracker
 from common.memory import peak_rss_gb
-from common.model import Transformer, compute_dtype
+from common.model import ModelError, Transformer, compute_dtype
 from common.optim import adamw
 from common.options import high_entropy, overlong_penalty, quantile, token_mask
 from common.sampler import Companion, draw, generate, softmax_stats
@@ -121,7 +121,7 @@ class Config:
     save_every: int = 15  # checkpoint every N steps (and after the last)
     tracker: str = "none"  # also log to tensorboard, wandb or trackio (an optional package: pip install it)
     # EAPO: experience from a prior RL policy π_RL
-    prior: str = ""  # π_RL: the checkpoint folder of an earlier RL run of the same model (runs/<name>/checkpoint)
+    prior: str = ""  # π_RL, required: the checkpoint of an earlier RL run of the same model (runs/<name>/checkpoint)
     lam0: float = 1.0  # λ_0: probability of taking a critical token from π_RL at step 1 (our choice: 1)
     anneal_steps: int = 8  # T: λ reaches 0 after T steps, then the run is plain GRPO (our choice: ~half the run)
     schedule: str = "linear"  # shape of λ_k from λ_0 to 0: linear, cosine, or constant (λ_0 until T)
@@ -441,8 +441,13 @@ class PriorWeights:
 
     def __init__(self, cfg, model, tok, device, dtype):
         self.path, self.device, self.dtype = cfg.prior, device, dtype
-        prior = self.load()
-        prior_tok = Tokenizer.from_pretrained(cfg.prior)
+        try:
+            prior = self.load()
+            prior_tok = Tokenizer.from_pretrained(cfg.prior)
+        except ModelError as e:  # name the option; a run's folder given for its checkpoint is the likely slip
+            inside = os.path.join(cfg.prior, "checkpoint")
+            raise ConfigError(f"--prior: expected a checkpoint of an earlier RL run, runs/<name>/checkpoint"
+                              f"{f' ({inside}?)' if os.path.isdir(inside) else ''}; {e}") from None
         check(prior.cfg.vocab_size == model.cfg.vocab_size and prior_tok.tok.get_vocab(True) == tok.tok.get_vocab(True),
               "prior", f"a model with the policy's tokenizer and vocabulary ({cfg.prior} has others)")
         self.resident = prior if torch.device(device).type != "cpu" else None
@@ -927,7 +932,7 @@ def main(argv=None):
     if dist.is_main() and cfg.steps > start_step:
         before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
         print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
-              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"{cfg.steps - start_step} step{'s' * (cfg.steps - start_step != 1)} in {_minutes(time.time() - t_start)}; "
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
     elif dist.is_main():
         print(f"nothing to train: {run_dir} has trained {start_step} steps (--steps {cfg.steps}); raise --steps to go on")

@@ -1012,7 +1012,7 @@ def main(argv=None):
     if dist.is_main() and cfg.steps > start_step:
         before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
         print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
-              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"{cfg.steps - start_step} step{'s' * (cfg.steps - start_step != 1)} in {_minutes(time.time() - t_start)}; "
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
     elif dist.is_main():
         print(f"nothing to train: {run_dir} has trained {start_step} steps (--steps {cfg.steps}); raise --steps to go on")

@@ -207,7 +207,8 @@ def validate(cfg: Config):
     # and run different numbers of forwards: DDP is fine with that, FSDP2 (a weight gather in each forward) is not
     check(not (cfg.fsdp and dist.world() > 1), "fsdp", "off under torchrun (DDP: XRPO's ranks train different numbers "
           "of completions, and FSDP2 needs the same forwards on every rank)")
-    check(2 <= cfg.base_rollouts <= cfg.group_size, "base_rollouts", "2 ... group_size (the t-interval needs n >= 2)")
+    check(2 <= cfg.base_rollouts <= cfg.group_size, "base_rollouts", f"2 ... --group-size ({cfg.group_size}), got "
+          f"{cfg.base_rollouts} (the t-interval needs n >= 2): lower --base-rollouts or raise --group-size")
     check(cfg.rounds >= 0 and (cfg.rounds > 0 or cfg.base_rollouts == cfg.group_size), "rounds",
           "a positive number of rounds (or 0 with base_rollouts = group_size: no dynamic budget)")
     check(cfg.alloc_lambda >= 0 and 0 < cfg.alloc_conf < 1, "alloc_lambda/alloc_conf", "λ >= 0 and a level in (0, 1)")
@@ -1053,7 +1054,7 @@ def main(argv=None):
     if dist.is_main() and cfg.steps > start_step:
         before = f"{first_acc:.3f} → " if first_acc is not None else "(resumed) "
         print(f"done: greedy accuracy {before}{last['eval/greedy_acc']:.3f} on {len(held_out)} held-out problems, "
-              f"{cfg.steps - start_step} steps in {_minutes(time.time() - t_start)}; "
+              f"{cfg.steps - start_step} step{'s' * (cfg.steps - start_step != 1)} in {_minutes(time.time() - t_start)}; "
               f"metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}")
     elif dist.is_main():
         print(f"nothing to train: {run_dir} has trained {start_step} steps (--steps {cfg.steps}); raise --steps to go on")

@@ -257,8 +257,14 @@ def overview(results: list, machine: str, base_label: str = "grpo"):
           "\n|---|---|---|---|---|---|---|---|")
     for algo in dict.fromkeys(a for a, _, _ in results):
         runs = [(s, r) for a, s, r in results if a == algo]
-        gains = [gain(r) for _, r in runs]
-        diffs = [gain(r) - gain(b) for s, r in runs if (b := base_of(s, r)) and b is not r and "acc_after" in b]
+        # a seed run more than once (beside each file's run, or again after a change elsewhere: on one kind of CPU
+        # the same run) counts once, with its runs' mean, so that the statistics are over seeds
+        by_seed = {}
+        for s, r in runs:
+            by_seed.setdefault(s, []).append(r)
+        gains = [statistics.fmean(gain(r) for r in rs) for rs in by_seed.values()]
+        diffs = [statistics.fmean(d) for s, rs in by_seed.items() if (d := [
+            gain(r) - gain(b) for r in rs if (b := base_of(s, r)) and b is not r and "acc_after" in b])]
         if algo == base_label or not diffs:
             paired = "-"
         else:
@@ -269,7 +275,8 @@ def overview(results: list, machine: str, base_label: str = "grpo"):
         walls, adjusted = ([x for x in (fn(s, r) for s, r in runs) if x is not None] for fn in (ratio, at_grpo_rate))
         wall = f"{two(statistics.fmean(walls))} ({two(max(walls))})" if walls else two(None)
         rss = max(r["peak_rss_gb"] for _, r in runs) * 2 ** 30 / 1e9
-        print(f"| {algo} | {len(gains)} | {statistics.fmean(gains):+.1f}{spread} | {min(gains):+.1f} | {paired} | "
+        count = f"{len(runs)}" if len(runs) == len(by_seed) else f"{len(runs)} ({len(by_seed)} seed{'s' * (len(by_seed) > 1)})"
+        print(f"| {algo} | {count} | {statistics.fmean(gains):+.1f}{spread} | {min(gains):+.1f} | {paired} | "
               f"{wall} | {two(statistics.fmean(adjusted) if adjusted else None)} | {rss:.2f} x 10^9 B |")
     print(f"paired verdicts (better than {name}'s gain) — {VERDICT_RULE}")
 

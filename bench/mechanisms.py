@@ -41,6 +41,9 @@ def mechanism(algo: str, steps: list) -> str | None:
 
 
 def main():
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # the docstring is its help
+        print(__doc__.strip())
+        return
     runs = [Path(a) for a in sys.argv[1:] if (Path(a) / "metrics.jsonl").is_file()]
     if not runs:
         fail("bench/mechanisms.py: expected run folders holding metrics.jsonl (e.g. runs/bench-*)")

@@ -42,6 +42,9 @@ def wrapped(name, fn):
 
 
 def main():
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # the docstring is its help
+        print(__doc__.strip())
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in ALGOS or not Path("/proc/self/status").is_file():
         fail(f"bench/phase_memory.py: expected an algorithm among {', '.join(ALGOS)} (and Linux's /proc), "
              f"then -- and its options")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from common import dist
+from common import config, dist
 from common.config import check
 from common.errors import ConfigError, RunError, reason
 from common.hub import resolve_model_dir
@@ -117,6 +117,7 @@ def open_run(cfg):
     --resume where nothing was saved, and a checkpoint that is damaged or that another algorithm file wrote.
     Returns run_dir, ckpt_dir, ckpt (None on a fresh run) and state (None on a fresh run)."""
     algo = algorithm(cfg)
+    check(cfg.run_name or not cfg.resume, "resume", "--run-name NAME with it: the run in runs/NAME/ to continue")
     cfg.run_name = cfg.run_name or datetime.now().strftime(f"{algo}-%Y%m%d-%H%M%S")
     check(Path(cfg.run_name).name == cfg.run_name and cfg.run_name not in (".", ".."), "run_name",
           f"a plain folder name for runs/<run-name> (no '/', '.' or '..'), got {cfg.run_name!r}")
@@ -127,9 +128,11 @@ def open_run(cfg):
     if not cfg.resume:
         check(not started, "run_name", f"a new name: {run_dir} already holds a run (" +
               ("add --resume to continue it)" if ckpt else "which saved no checkpoint: delete it to start it again)"))
+        config.interrupt_note = lambda: kept(ckpt_dir)
         return run_dir, ckpt_dir, None, None
     check(ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found" +
           ("; the run stopped before its first one: delete the folder to start it again)" if started else ")"))
+    config.interrupt_note = lambda: kept(ckpt_dir)  # what Ctrl-C leaves behind, for main_guard's last line
     state = load_trainer_state(ckpt)
     saved = state["extra"].get("algorithm", algo)  # checkpoints of before 2026-11-28 do not say
     check(saved == algo, "resume", f"a checkpoint of {algo}.py; {ckpt} was written by {saved}.py (to start "
@@ -138,10 +141,14 @@ def open_run(cfg):
 
 
 def kept(ckpt_dir) -> str:
-    """What a run that stops now leaves behind, for its last message."""
+    """What a run that stops now leaves behind, for its last message: how to continue it or start it again."""
+    run_dir = Path(ckpt_dir).parent
     if find(ckpt_dir):
-        return f"The last checkpoint in {ckpt_dir} is intact (rerun with --resume to continue from it)"
-    return f"No checkpoint was saved yet (delete {Path(ckpt_dir).parent} to start the run again)"
+        return (f"The last checkpoint in {ckpt_dir} is intact (rerun with --run-name {run_dir.name} --resume to "
+                "continue from it)")
+    if (run_dir / "metrics.jsonl").exists():
+        return f"No checkpoint was saved yet (delete {run_dir} to start the run again)"
+    return "No checkpoint was saved yet (nothing to resume: start the run again)"
 
 
 def rng_state() -> dict:

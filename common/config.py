@@ -66,12 +66,19 @@ def _finite_float(text: str) -> float:
     return value
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, but an empty one: its comment says what empty means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default == "" else super()._get_help_string(action)
+
+
 def parse(cls, argv=None):
     """Build a command line from the dataclass `cls` and return an instance filled from `argv`."""
     helps = _field_comments(cls)
     choices = getattr(cls, "choices", {})
     p = OneLineParser(description=_description(sys.modules[cls.__module__]),
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # every option shows its default
+                       formatter_class=_DefaultsHelp)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_text = helps.get(f.name, "").replace("%", "%%")  # argparse %-formats help; "50%" would raise
@@ -91,6 +98,11 @@ def check(condition: bool, option: str, expected: str):
         raise ConfigError(f"--{option.replace('_', '-')}: expected {expected}")
 
 
+# What a run stopped with Ctrl-C leaves behind, one sentence for main_guard's last line: common/checkpoint.py's
+# open_run sets it once the run has a folder (before that, nothing was written)
+interrupt_note = None
+
+
 def main_guard(main):
     """Run `main()`; a user mistake (bad option, path, data line, model folder) prints one line and exits 2."""
     try:
@@ -102,5 +114,6 @@ def main_guard(main):
         sys.stderr.write(f"error: {e}\n")
         sys.exit(1)
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted: any checkpoint saved is intact; rerun with --resume to continue from it\n")
+        note = interrupt_note() if interrupt_note else "Nothing was written"
+        sys.stderr.write(f"interrupted. {note}\n")
         sys.exit(130)

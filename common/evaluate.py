@@ -73,7 +73,7 @@ def evaluate(model, tok, problems, samples=0, temperature=1.0, max_new_tokens=25
 class Config:
     model: str = "smollm2"  # a Hugging Face model folder, a checkpoint folder, or smollm2
     data: str = "arith"  # task name (arith, gsm8k, math500, aime24, amc23) or a .jsonl file
-    split: str = "test"  # test, train, or all (every problem of a single-split file)
+    split: str = "test"  # test, train, or all: every problem of a file task (arith has only train and test)
     limit: int = 0  # evaluate a seeded sample of N problems, a training run's --eval-size N set at seed 0 (0 = all)
     samples: int = 0  # completions per problem for pass@k and maj@k (0 = greedy only)
     temperature: float = 1.0  # sampling temperature for pass@k / maj@k

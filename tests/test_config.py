@@ -4,6 +4,7 @@ fails the test below.
 
 Not part of the description.
 """
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -59,7 +60,10 @@ def test_help_shows_every_options_comment_and_default(capsys, monkeypatch):
     assert shown["--bare"] == "--bare BARE (default: 3)"
     grpo_shown = options(help_text(grpo.Config, capsys, monkeypatch))
     assert len(grpo_shown) == len(grpo.Config.__dataclass_fields__)
-    assert all("(default: " in entry for entry in grpo_shown.values())
+    empty = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(grpo.Config) if f.default == ""}
+    assert empty and all(("(default: " in entry) != (flag in empty) for flag, entry in grpo_shown.items())
+    # an empty default is not shown as "(default: )": its comment says what empty means
+    assert grpo_shown["--run-name"].endswith("empty = grpo-<date-time>"), grpo_shown["--run-name"]
 
 
 def test_parse_reads_flags_and_refuses_a_bad_choice_in_one_line(capsys):

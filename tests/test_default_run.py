@@ -79,6 +79,14 @@ def test_bad_algo_and_missing_run_are_one_line_errors(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
 
 
+def test_phase_memory_and_mechanisms_answer_help():
+    """Their own command lines (not argparse): --help prints the docstring and exits 0 (before: a usage error)."""
+    for script in ("phase_memory.py", "mechanisms.py"):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and f"python bench/{script}" in r.stdout and not r.stderr, (script, r)
+
+
 def test_one_at_a_time_runs_each_seed_side_by_side(tmp_path, tiny_model_dir):
     """--jobs 1: seed by seed, grpo.py first, each other file right after it (EAPO takes that run as its prior), and
     the overview gives each run's wall time as a ratio to grpo.py's run of the same seed."""
@@ -249,7 +257,7 @@ def test_run_takes_each_ratio_to_the_grpo_run_made_beside_it(tmp_path):
     assert "CPU flags (recorded with the runs): avx2 (2 runs); amx_bf16 avx2 (1 run) (3 of the 3 runs" in out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| xrpo | 0 | ") and " -> " in line]
     assert [(r[5], r[9]) for r in rows] == [("1.50", "1500 (1.50)"), ("1.10", "3000 (1.50)")], rows
-    summary = next(line for line in out.splitlines() if line.startswith("| xrpo | 2 | "))
+    summary = next(line for line in out.splitlines() if line.startswith("| xrpo | 2 (1 seed) | "))
     assert "| 1.30 (1.50) |" in summary, summary
     assert "| grpo | 1 | " in out  # the grpo.py run read from b/ for its ratios is not a row of its own
 
@@ -316,6 +324,24 @@ def test_summary_gives_each_files_mean_and_worst_run(capsys):
     assert "| +7.5 ± 2.5: supported |" in summary["extra"] and "| -10.0 ± 0.0: contradicted |" in summary["eapo"]
     assert "| grpo | 2 | +12.5 ± 3.5 | +10.0 | - |" in summary["grpo"]
     assert "paired verdicts (better than grpo.py's gain) — supported: the mean paired difference" in out
+
+def test_summary_counts_a_seed_run_twice_once(capsys):
+    """A seed run more than once (grpo.py beside each file's run; a run repeated on another CPU) is one sample of
+    the statistics over seeds, its runs' mean, gain and paired difference alike (before: each run counted, so the
+    README's command printed grpo.py's +17.0 ± 2.0 over 8 runs for +16.8 ± 2.3 over its 3 seeds)."""
+    default_run = load_default_run()
+
+    def run(after):
+        return {"wall_s": 400.0, "gflops": None, "acc_before": 0.25, "acc_after": after, "peak_rss_gb": 2.5,
+                "step_split": {"sample": 1.0, "score": 0.0, "train": 1.0}, "train_tokens": 10, "sampled_tokens": 20}
+    default_run.overview([("grpo", 0, run(0.40)), ("grpo", 0, run(0.40)), ("xrpo", 0, run(0.45)),
+                          ("xrpo", 0, run(0.35)), ("grpo", 1, run(0.35)), ("xrpo", 1, run(0.30))], "CPU flags: test")
+    out = capsys.readouterr().out
+    # grpo.py: +15 (twice) and +10 -> +12.5 ± 3.5, not +13.3 ± 2.9
+    assert "| grpo | 3 (2 seeds) | +12.5 ± 3.5 | +10.0 | - |" in out, out
+    # xrpo.py: seed 0's +20 and +10 -> +15, seed 1 +5 -> +10.0 ± 7.1, lowest +5; paired 0 and -5 -> -2.5 ± 2.5
+    assert "| xrpo | 3 (2 seeds) | +10.0 ± 7.1 | +5.0 | -2.5 ± 2.5: undecided |" in out, out
+
 
 def test_work_table_holds_each_file_to_grpos_token_counts(capsys):
     """Time per unit of work: a file that samples at 2x grpo.py's cost per token and trains at 1.1x, with 10 s of

@@ -794,6 +794,20 @@ def test_prior_with_another_tokenizer_is_refused(in_tmp, models, capsys):
     assert not (in_tmp / "runs").exists()
 
 
+
+def test_a_prior_that_is_no_checkpoint_is_refused_naming_prior(in_tmp, models, capsys):
+    """--prior given a run's folder (its checkpoint is inside) or a missing path: one line that names --prior and,
+    for the run's folder, the checkpoint it holds (before: the model loader's message, naming neither)."""
+    import shutil
+
+    shutil.copytree(models[1], in_tmp / "prior_run" / "checkpoint")
+    code, err = run_cli(capsys, *run_args(models, "--run-name", "x", "--prior", "prior_run"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --prior: expected a checkpoint of an earlier RL run") and \
+        "(prior_run/checkpoint?)" in err, err
+    code, err = run_cli(capsys, *run_args(models, "--run-name", "y", "--prior", "no/such/folder"))
+    assert code == 2 and err.startswith("error: --prior: expected") and "checkpoint?" not in err, err
+
 # ------------------------------------------------------------- added by mutation testing (fail on a mutant each)
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])

@@ -420,6 +420,43 @@ def test_open_run_refuses_in_one_line_what_cannot_be_started_or_resumed(tmp_path
     refused("fresh", True, "trainer.pt is damaged")
 
 
+
+def test_ctrl_c_says_how_to_continue_the_run_it_stopped(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Ctrl-C's last line names what the run left behind: before its first checkpoint there is nothing to resume
+    (before: "rerun with --resume", which then failed), after it the command that continues it, with the run's
+    name (an unnamed run's name is made up from the time: before, the user was not told it). --resume without
+    --run-name is refused in one line (before: a run named from the current time, and "no checkpoint" in it)."""
+    from common import config
+    from common.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config, "interrupt_note", None)
+
+    def interrupted(cfg, save=False):
+        def main():
+            run_dir, ckpt_dir, _, _ = checkpoint.open_run(cfg)
+            if save:
+                m = Transformer.from_pretrained(tiny_model_dir)
+                checkpoint.save_run(m, AdamW(m.parameters(), lr=1e-3), ckpt_dir, 1, cfg)
+                (run_dir / "metrics.jsonl").write_text("")
+            raise KeyboardInterrupt
+        with pytest.raises(SystemExit) as e:
+            config.main_guard(main)
+        assert e.value.code == 130
+        return capsys.readouterr().err
+
+    assert interrupted(grpo.Config(model=str(tiny_model_dir), run_name="a")) == \
+        "interrupted. No checkpoint was saved yet (nothing to resume: start the run again)\n"
+    cfg = grpo.Config(model=str(tiny_model_dir))  # unnamed: grpo-<date-time>
+    err = interrupted(cfg, save=True)
+    assert cfg.run_name.startswith("grpo-") and err == (
+        f"interrupted. The last checkpoint in runs/{cfg.run_name}/checkpoint is intact (rerun with --run-name "
+        f"{cfg.run_name} --resume to continue from it)\n")
+    with pytest.raises(ConfigError, match="--resume: expected --run-name NAME with it"):
+        checkpoint.open_run(grpo.Config(model=str(tiny_model_dir), resume=True))
+    run_dir, _, ckpt, state = checkpoint.open_run(grpo.Config(model=str(tiny_model_dir), run_name=cfg.run_name,
+                                                              resume=True))  # the command it printed works
+    assert ckpt is not None and state["step"] == 1
+
 def test_lr_warms_up_holds_then_decays_over_the_last_steps():
     f = [grpo.lr_factor(s, grpo.Config(steps=15, warmup_steps=3, decay_steps=3)) for s in range(15)]
     assert f == pytest.approx([1 / 3, 2 / 3] + [1.0] * 10 + [3 / 4, 2 / 4, 1 / 4])  # the last update is small, not 0

@@ -514,7 +514,7 @@ def test_smoke_main_on_tiny_model(tmp_path, monkeypatch, tiny_model_dir, options
 
 @pytest.mark.parametrize("args,option", [
     (["--base-rollouts", "1"], "--base-rollouts"),
-    (["--base-rollouts", "9"], "--base-rollouts"),
+    (["--base-rollouts", "9"], r"--base-rollouts: expected 2 \.\.\. --group-size \(8\), got 9"),
     (["--rounds", "0"], "--rounds"),
     (["--alloc-conf", "95"], "alloc-conf"),
     (["--icl-max-len", "5"], "--icl-max-len"),
