@@ -125,14 +125,13 @@ def open_run(cfg):
     ckpt_dir = run_dir / "checkpoint"
     check(not run_dir.exists() or run_dir.is_dir(), "run_name", f"a name for a folder: {run_dir} is a file")
     started, ckpt = (run_dir / "metrics.jsonl").exists(), find(ckpt_dir)
+    config.interrupt_note = lambda: kept(ckpt_dir)  # what Ctrl-C leaves behind, for main_guard's last line
     if not cfg.resume:
         check(not started, "run_name", f"a new name: {run_dir} already holds a run (" +
               ("add --resume to continue it)" if ckpt else "which saved no checkpoint: delete it to start it again)"))
-        config.interrupt_note = lambda: kept(ckpt_dir)
         return run_dir, ckpt_dir, None, None
     check(ckpt is not None, "resume", f"a checkpoint in {ckpt_dir} (none found" +
           ("; the run stopped before its first one: delete the folder to start it again)" if started else ")"))
-    config.interrupt_note = lambda: kept(ckpt_dir)  # what Ctrl-C leaves behind, for main_guard's last line
     state = load_trainer_state(ckpt)
     saved = state["extra"].get("algorithm", algo)  # checkpoints of before 2026-11-28 do not say
     check(saved == algo, "resume", f"a checkpoint of {algo}.py; {ckpt} was written by {saved}.py (to start "
